@@ -1,0 +1,260 @@
+package main
+
+import (
+	"crypto/subtle"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/labstack/echo/v4"
+	"github.com/labstack/echo/v4/middleware"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/sirupsen/logrus"
+)
+
+// ---------------------------------------------------------------------------
+// Routes: one function per listener, one line per route.
+
+// addOpsRoutes serves probes, metrics and admin on the ops listener, which is
+// open from phase 2 until the very end of the drain.
+func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, adminToken string) {
+	e.GET("/health", handleLive())
+	e.GET("/health/ready", handleReady(rd))
+	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{Registry: m.registry})))
+	if adminToken == "" {
+		return // no token configured: admin routes are off, not open
+	}
+	admin := e.Group("/admin", requireBearer(adminToken))
+	admin.GET("/lifecycle", handleTimeline(lc))
+}
+
+// addAPIRoutes serves the features on the API listener (bound in phase 15).
+func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature) {
+	e.GET("/health", handleLive())
+	e.GET("/health/ready", handleReady(rd))
+	for _, f := range features {
+		for _, r := range f.routes {
+			e.Add(r.method, r.path, r.handler, admitWhenServing(lc))
+		}
+	}
+}
+
+// ---------------------------------------------------------------------------
+// Servers
+
+// httpServer is one listener and the http.Server on it. The listener is bound
+// by listenHTTP itself, so a port in use is an error of the phase that asked
+// for it, not of some goroutine later.
+type httpServer struct {
+	name string
+	srv  *http.Server
+	addr net.Addr
+	done chan struct{} // closed when Serve has returned
+}
+
+// listenHTTP binds addr and serves h on it from one owned goroutine. A Serve
+// failure other than a normal close is reported to failed (the process then
+// shuts down: a server that cannot accept is not serving).
+func listenHTTP(name, addr string, h http.Handler, log *logrus.Logger, failed func(error)) (*httpServer, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("binding the %s listener: %w", name, err)
+	}
+	s := &httpServer{
+		name: name,
+		srv:  &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second, ErrorLog: nil},
+		addr: ln.Addr(),
+		done: make(chan struct{}),
+	}
+	go func() {
+		defer close(s.done)
+		if err := s.srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			failed(fmt.Errorf("%s listener stopped serving: %w", name, err))
+		}
+	}()
+	log.WithFields(logrus.Fields{"component": name, "addr": s.addr.String()}).Info("listening")
+	return s, nil
+}
+
+// newEcho is the echo instance every listener uses: JSON errors, panics
+// answered with a 500 for that request only. outer middleware wraps the panic
+// recovery, so it sees every request end, even one that panicked.
+func newEcho(log *logrus.Logger, m *metrics, component string, outer ...echo.MiddlewareFunc) *echo.Echo {
+	e := echo.New()
+	e.HideBanner, e.HidePort = true, true
+	e.HTTPErrorHandler = jsonErrorHandler(log.WithField("component", component))
+	e.Use(outer...)
+	e.Use(middleware.RecoverWithConfig(middleware.RecoverConfig{
+		DisableStackAll: true,
+		LogErrorFunc: func(c echo.Context, err error, stack []byte) error {
+			m.panics.WithLabelValues(component).Inc()
+			log.WithFields(logrus.Fields{"component": component, "route": c.Path(), "stack": string(stack)}).WithError(err).Error("handler panicked")
+			return echo.NewHTTPError(http.StatusInternalServerError, "internal error")
+		},
+	}))
+	return e
+}
+
+// ---------------------------------------------------------------------------
+// Middleware
+
+// observeRequests counts requests by route template (never the raw path: its
+// cardinality is unbounded) and tracks the requests in flight.
+func observeRequests(m *metrics) echo.MiddlewareFunc {
+	return func(next echo.HandlerFunc) echo.HandlerFunc {
+		return func(c echo.Context) error {
+			start := time.Now()
+			if err := next(c); err != nil {
+				c.Error(err)
+			}
+			route := c.Path()
+			if route == "" {
+				route = "unmatched"
+			}
+			m.httpRequests.WithLabelValues(route, strconv.Itoa(c.Response().Status)).Inc()
+			m.httpDuration.WithLabelValues(route).Observe(time.Since(start).Seconds())
+			return nil
+		}
+	}
+}
+
+// trackInFlight counts the API requests being served, for the drain's
+// force-close warning and for kumiko_http_requests_in_flight.
+func trackInFlight(n *atomic.Int64, m *metrics) echo.MiddlewareFunc {
+	return func(next echo.HandlerFunc) echo.HandlerFunc {
+		return func(c echo.Context) error {
+			n.Add(1)
+			m.httpInFlight.Inc()
+			defer func() {
+				n.Add(-1)
+				m.httpInFlight.Dec()
+			}()
+			return next(c)
+		}
+	}
+}
+
+// admitWhenServing answers 503 with Retry-After while the process is not
+// serving. During the drain no check is needed: keep-alives are off from its
+// first moment and the listener closes after the linger, so the only requests
+// that still arrive are the ones the linger is there to serve.
+func admitWhenServing(lc *Lifecycle) echo.MiddlewareFunc {
+	return func(next echo.HandlerFunc) echo.HandlerFunc {
+		return func(c echo.Context) error {
+			if s := lc.State(); s == StateStarting || s == StateStopped {
+				c.Response().Header().Set("Retry-After", "1")
+				return apiError(http.StatusServiceUnavailable, "unavailable", "instance is "+s.String())
+			}
+			return next(c)
+		}
+	}
+}
+
+func requireBearer(token string) echo.MiddlewareFunc {
+	want := []byte("Bearer " + token)
+	return func(next echo.HandlerFunc) echo.HandlerFunc {
+		return func(c echo.Context) error {
+			got := []byte(c.Request().Header.Get(echo.HeaderAuthorization))
+			if subtle.ConstantTimeCompare(got, want) != 1 {
+				return apiError(http.StatusUnauthorized, "unauthorized", "admin routes need Authorization: Bearer <KUMIKO_ADMIN_TOKEN>")
+			}
+			return next(c)
+		}
+	}
+}
+
+// ---------------------------------------------------------------------------
+// Errors: every error body is {"error":{"code","message"}}.
+
+type errorBody struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// apiError is an error a handler returns to answer with status and a JSON body.
+func apiError(status int, code, message string) error {
+	return echo.NewHTTPError(status, errorBody{Code: code, Message: message})
+}
+
+func jsonErrorHandler(log *logrus.Entry) echo.HTTPErrorHandler {
+	return func(err error, c echo.Context) {
+		if c.Response().Committed {
+			return
+		}
+		status, body := http.StatusInternalServerError, errorBody{Code: "internal", Message: "internal error"}
+		var he *echo.HTTPError
+		if errors.As(err, &he) {
+			status = he.Code
+			switch msg := he.Message.(type) {
+			case errorBody:
+				body = msg
+			default:
+				body = errorBody{Code: codeFor(status), Message: fmt.Sprint(msg)}
+			}
+		} else {
+			// Not an answer a handler chose: log it, tell the client nothing internal.
+			log.WithField("route", c.Path()).WithError(err).Error("request failed")
+		}
+		if err := c.JSON(status, map[string]errorBody{"error": body}); err != nil {
+			log.WithError(err).Debug("writing the error response")
+		}
+	}
+}
+
+func codeFor(status int) string {
+	switch status {
+	case http.StatusBadRequest:
+		return "bad_request"
+	case http.StatusUnauthorized:
+		return "unauthorized"
+	case http.StatusNotFound:
+		return "not_found"
+	case http.StatusMethodNotAllowed:
+		return "method_not_allowed"
+	case http.StatusRequestEntityTooLarge:
+		return "payload_too_large"
+	case http.StatusServiceUnavailable:
+		return "unavailable"
+	case http.StatusInternalServerError:
+		return "internal"
+	}
+	return "error"
+}
+
+// ---------------------------------------------------------------------------
+// Handlers
+
+// maxSlowRequest bounds /api/slow, so the demo endpoint cannot pin a
+// connection for longer than any sensible drain.
+const maxSlowRequest = 10 * time.Minute
+
+// handleSlow is GET /api/slow?ms=N: a request that takes N ms, to watch a drain.
+func handleSlow(max time.Duration) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		ms, err := strconv.Atoi(c.QueryParam("ms"))
+		if err != nil || ms < 0 || time.Duration(ms)*time.Millisecond > max {
+			return apiError(http.StatusBadRequest, "invalid_ms", fmt.Sprintf("ms must be an integer from 0 to %d", max.Milliseconds()))
+		}
+		select {
+		case <-time.After(time.Duration(ms) * time.Millisecond):
+			return c.JSON(http.StatusOK, map[string]int{"sleptMs": ms})
+		case <-c.Request().Context().Done():
+			return nil // the client left, or the drain force-closed the connection
+		}
+	}
+}
+
+// handleTimeline is GET /admin/lifecycle: the boot timeline and the state.
+func handleTimeline(lc *Lifecycle) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		return c.JSON(http.StatusOK, map[string]any{
+			"state":     lc.State().String(),
+			"uptimeSec": int64(lc.Uptime().Seconds()),
+			"phases":    lc.Timeline(),
+		})
+	}
+}

@@ -1,0 +1,771 @@
+package main
+
+import (
+	"bytes"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"math"
+	"net"
+	"net/url"
+	"os"
+	"reflect"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// configFileName is read from the working directory when KUMIKO_CONFIG is unset.
+const configFileName = "kumiko.config.yaml"
+
+// redactedMark stands in for a secret in the startup log.
+const redactedMark = "[redacted]"
+
+// config is the service configuration. loadConfig fills it from, in rising
+// precedence, built-in defaults, kumiko.config.yaml and the environment.
+type config struct {
+	InstanceID    string // names this replica in leader election, heartbeats and logs
+	HTTPAddr      string // public API listener
+	OpsAddr       string // health, readiness and metrics listener
+	LogFormat     string // "text" or "json"
+	AdminToken    string // bearer token for the admin routes; empty turns them off
+	DatabaseURL   string // postgres:// URL or libpq "host=... dbname=..." string
+	RedisURL      string // redis://, rediss:// or unix:// URL
+	Search        searchConfig
+	Storage       storageConfig
+	MasterKey     string // decoded and checked where it is used, not here
+	MasterKeyFile string // alternative to MasterKey, for mounted secrets
+	Lifecycle     lifecycleConfig
+}
+
+type searchConfig struct {
+	URL    string // Meilisearch; empty turns search off
+	APIKey string
+}
+
+type storageConfig struct {
+	Endpoint  string // S3 host:port; empty turns object storage off
+	AccessKey string
+	SecretKey string
+	Bucket    string
+	UseSSL    bool
+}
+
+type lifecycleConfig struct {
+	StartupTimeout  time.Duration // from start to ready
+	ShutdownTimeout time.Duration // from the stop signal to exit
+	Linger          time.Duration // keep serving after turning unready, so load balancers notice
+	DrainTimeout    time.Duration // wait for in-flight requests
+	PhaseTimeout    time.Duration // any single startup or shutdown phase
+
+	ConnectMaxWait   time.Duration // give up on an unreachable dependency after this
+	ConnectRetryBase time.Duration // first retry delay; doubles on each attempt
+	ConnectRetryMax  time.Duration // cap on a single retry delay
+
+	Migrations     migrationsConfig
+	LeaderElection leaderElectionConfig
+	Heartbeat      heartbeatConfig
+	Readiness      readinessConfig
+}
+
+type migrationsConfig struct {
+	Mode           string // "exit-on-pending", "auto-apply" or "warn-on-pending"
+	SchemaBaseline uint   // a migration version; 0 means off
+}
+
+type leaderElectionConfig struct {
+	Enabled       bool
+	LockTTL       time.Duration
+	RenewInterval time.Duration
+}
+
+type heartbeatConfig struct {
+	Interval time.Duration
+	TTL      time.Duration
+}
+
+type readinessConfig struct {
+	ProbeTimeout time.Duration
+	CacheTTL     time.Duration // reuse a probe result this long, so frequent polling stays cheap
+}
+
+func defaultConfig() config {
+	return config{
+		HTTPAddr:  ":8080",
+		OpsAddr:   ":9090",
+		LogFormat: "text",
+		Storage:   storageConfig{Bucket: "kumiko-demo"},
+		Lifecycle: lifecycleConfig{
+			StartupTimeout:   120 * time.Second,
+			ShutdownTimeout:  40 * time.Second,
+			Linger:           3 * time.Second,
+			DrainTimeout:     30 * time.Second,
+			PhaseTimeout:     30 * time.Second,
+			ConnectMaxWait:   5 * time.Minute,
+			ConnectRetryBase: 1 * time.Second,
+			ConnectRetryMax:  30 * time.Second,
+			Migrations:       migrationsConfig{Mode: "exit-on-pending"},
+			LeaderElection: leaderElectionConfig{
+				Enabled:       true,
+				LockTTL:       15 * time.Second,
+				RenewInterval: 5 * time.Second,
+			},
+			Heartbeat: heartbeatConfig{Interval: 5 * time.Second, TTL: 10 * time.Second},
+			Readiness: readinessConfig{ProbeTimeout: 1 * time.Second, CacheTTL: 1 * time.Second},
+		},
+	}
+}
+
+// configSetting ties one config field to its names in the file and the environment.
+type configSetting struct {
+	yaml  string       // dotted path in kumiko.config.yaml
+	env   string       // environment variable
+	value settingValue // parses into the config field and renders it for the log
+}
+
+// settings is the one place where every setting is named. The values point
+// into c, so setting one writes the config.
+func (c *config) settings() []configSetting {
+	l := &c.Lifecycle
+	migrationModes := []string{"exit-on-pending", "auto-apply", "warn-on-pending"}
+	return []configSetting{
+		{"instanceId", "KUMIKO_INSTANCE_ID", textValue{p: &c.InstanceID}},
+		{"http.addr", "KUMIKO_HTTP_ADDR", addrValue{p: &c.HTTPAddr}},
+		{"ops.addr", "KUMIKO_OPS_ADDR", addrValue{p: &c.OpsAddr}},
+		{"log.format", "KUMIKO_LOG_FORMAT", choiceValue{p: &c.LogFormat, allowed: []string{"text", "json"}}},
+		{"admin.token", "KUMIKO_ADMIN_TOKEN", secretValue{p: &c.AdminToken, minLen: 16}},
+		{"database.url", "DATABASE_URL", urlValue{p: &c.DatabaseURL, schemes: []string{"postgres", "postgresql"}, keywords: true}},
+		{"redis.url", "REDIS_URL", urlValue{p: &c.RedisURL, schemes: []string{"redis", "rediss", "unix"}}},
+		{"search.url", "MEILI_URL", urlValue{p: &c.Search.URL, schemes: []string{"http", "https"}}},
+		{"search.apiKey", "MEILI_API_KEY", secretValue{p: &c.Search.APIKey}},
+		{"storage.endpoint", "S3_ENDPOINT", addrValue{p: &c.Storage.Endpoint, optional: true}},
+		{"storage.accessKey", "S3_ACCESS_KEY", secretValue{p: &c.Storage.AccessKey}},
+		{"storage.secretKey", "S3_SECRET_KEY", secretValue{p: &c.Storage.SecretKey}},
+		{"storage.bucket", "S3_BUCKET", textValue{p: &c.Storage.Bucket}},
+		{"storage.useSSL", "S3_USE_SSL", boolValue{p: &c.Storage.UseSSL}},
+		{"secrets.masterKey", "KUMIKO_MASTER_KEY", secretValue{p: &c.MasterKey}},
+		{"secrets.masterKeyFile", "KUMIKO_MASTER_KEY_FILE", textValue{p: &c.MasterKeyFile}},
+
+		{"lifecycle.startupTimeoutSec", "KUMIKO_STARTUP_TIMEOUT", durationValue{p: &l.StartupTimeout}},
+		{"lifecycle.shutdownTimeoutSec", "KUMIKO_SHUTDOWN_TIMEOUT", durationValue{p: &l.ShutdownTimeout}},
+		{"lifecycle.lingerSec", "KUMIKO_LINGER", durationValue{p: &l.Linger, zeroOK: true}},
+		{"lifecycle.drainTimeoutSec", "KUMIKO_DRAIN_TIMEOUT", durationValue{p: &l.DrainTimeout}},
+		{"lifecycle.phaseTimeoutSec", "KUMIKO_PHASE_TIMEOUT", durationValue{p: &l.PhaseTimeout}},
+		{"lifecycle.connectMaxWaitSec", "KUMIKO_CONNECT_MAX_WAIT", durationValue{p: &l.ConnectMaxWait}},
+		{"lifecycle.connectRetryBaseSec", "KUMIKO_CONNECT_RETRY_BASE", durationValue{p: &l.ConnectRetryBase}},
+		{"lifecycle.connectRetryMaxSec", "KUMIKO_CONNECT_RETRY_MAX", durationValue{p: &l.ConnectRetryMax}},
+		{"lifecycle.migrations.mode", "KUMIKO_MIGRATIONS_MODE", choiceValue{p: &l.Migrations.Mode, allowed: migrationModes}},
+		{"lifecycle.migrations.schemaBaseline", "KUMIKO_SCHEMA_BASELINE", uintValue{p: &l.Migrations.SchemaBaseline}},
+		{"lifecycle.leaderElection.enabled", "KUMIKO_LEADER_ENABLED", boolValue{p: &l.LeaderElection.Enabled}},
+		{"lifecycle.leaderElection.lockTtlSec", "KUMIKO_LEADER_LOCK_TTL", durationValue{p: &l.LeaderElection.LockTTL}},
+		{"lifecycle.leaderElection.heartbeatIntervalSec", "KUMIKO_LEADER_RENEW_INTERVAL", durationValue{p: &l.LeaderElection.RenewInterval}},
+		{"lifecycle.heartbeat.intervalSec", "KUMIKO_HEARTBEAT_INTERVAL", durationValue{p: &l.Heartbeat.Interval}},
+		{"lifecycle.heartbeat.ttlSec", "KUMIKO_HEARTBEAT_TTL", durationValue{p: &l.Heartbeat.TTL}},
+		{"lifecycle.readiness.probeTimeoutSec", "KUMIKO_READINESS_PROBE_TIMEOUT", durationValue{p: &l.Readiness.ProbeTimeout}},
+		{"lifecycle.readiness.cacheTtlSec", "KUMIKO_READINESS_CACHE_TTL", durationValue{p: &l.Readiness.CacheTTL}},
+	}
+}
+
+// loadConfig builds the config from defaults, the optional file and the
+// environment, and reports every problem it finds in one error, one per line.
+// An empty environment variable counts as unset. The environment is read only
+// through getenv and files only through readFile (os.ReadFile in production),
+// so tests can pass fakes.
+func loadConfig(getenv func(string) string, readFile func(string) ([]byte, error)) (config, error) {
+	c := defaultConfig()
+	fileName, fromFile, problems := readConfigFile(getenv, readFile)
+
+	for _, s := range c.settings() {
+		if v, ok := fromFile[s.yaml]; ok {
+			if err := s.value.set(v.raw); err != nil {
+				problems = append(problems, fmt.Errorf("%s: line %d: %s: %w", fileName, v.line, s.yaml, err))
+			}
+		}
+		if raw := getenv(s.env); raw != "" {
+			if err := s.value.set(raw); err != nil {
+				problems = append(problems, fmt.Errorf("%s: %w", s.env, err))
+			}
+		}
+	}
+	if c.InstanceID == "" {
+		c.InstanceID = defaultInstanceID(getenv)
+	}
+	problems = append(problems, c.validate()...)
+
+	if len(problems) > 0 {
+		return config{}, fmt.Errorf("invalid configuration:\n%w", errors.Join(problems...))
+	}
+	return c, nil
+}
+
+// defaultInstanceID names the replica after its host. The random suffix keeps
+// two processes on one host, or a restarted pod that kept its name, apart.
+func defaultInstanceID(getenv func(string) string) string {
+	host := getenv("HOSTNAME")
+	if host == "" {
+		host, _ = os.Hostname()
+	}
+	if host == "" {
+		host = "kumiko"
+	}
+	suffix := make([]byte, 3)
+	rand.Read(suffix) // never fails: crypto/rand crashes the program rather than return an error
+	return host + "-" + hex.EncodeToString(suffix)
+}
+
+// validate checks the rules that span several settings or that can only be
+// judged once every source has been applied.
+func (c *config) validate() []error {
+	var problems []error
+	check := func(ok bool, format string, args ...any) {
+		if !ok {
+			problems = append(problems, fmt.Errorf(format, args...))
+		}
+	}
+	l, le, hb := c.Lifecycle, c.Lifecycle.LeaderElection, c.Lifecycle.Heartbeat
+
+	check(c.DatabaseURL != "", "DATABASE_URL is required (database.url in the config file)")
+	check(c.RedisURL != "", "REDIS_URL is required (redis.url in the config file)")
+
+	// Port 0 asks the kernel for a free port, so two ":0" listeners never collide.
+	httpPort, opsPort := portOf(c.HTTPAddr), portOf(c.OpsAddr)
+	check(httpPort != opsPort || httpPort == "0" || httpPort == "",
+		"http.addr (%s) and ops.addr (%s) must use different ports", c.HTTPAddr, c.OpsAddr)
+
+	s := c.Storage
+	check(s.Endpoint == "" || (s.AccessKey != "" && s.SecretKey != ""),
+		"storage.accessKey and storage.secretKey (S3_ACCESS_KEY, S3_SECRET_KEY) are required when storage.endpoint is set")
+	check(s.Endpoint == "" || s.Bucket != "", "storage.bucket must not be empty when storage.endpoint is set")
+	check(c.MasterKey == "" || c.MasterKeyFile == "",
+		"secrets.masterKey and secrets.masterKeyFile (KUMIKO_MASTER_KEY, KUMIKO_MASTER_KEY_FILE) are both set; set only one")
+
+	check(l.DrainTimeout+l.Linger < l.ShutdownTimeout,
+		"lifecycle.shutdownTimeoutSec (%s) must be longer than drainTimeoutSec + lingerSec (%s + %s): "+
+			"the rest of the shutdown, stopping workers and closing connections, needs time after the drain",
+		l.ShutdownTimeout, l.DrainTimeout, l.Linger)
+	check(l.ConnectRetryBase <= l.ConnectRetryMax,
+		"lifecycle.connectRetryBaseSec (%s) must not exceed connectRetryMaxSec (%s), the cap on a single delay",
+		l.ConnectRetryBase, l.ConnectRetryMax)
+	// Renewing at most every TTL/2 survives one late renewal; renewing every
+	// TTL or less often loses the lock between renewals.
+	check(!le.Enabled || le.RenewInterval < le.LockTTL,
+		"lifecycle.leaderElection.heartbeatIntervalSec (%s) must be less than lockTtlSec (%s), ideally at most half, "+
+			"or the leader loses the lock between renewals", le.RenewInterval, le.LockTTL)
+	check(hb.Interval < hb.TTL,
+		"lifecycle.heartbeat.intervalSec (%s) must be less than ttlSec (%s), or the heartbeat expires between beats",
+		hb.Interval, hb.TTL)
+	return problems
+}
+
+// portOf returns the port of a host:port address, or "" if it has none.
+func portOf(addr string) string {
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return ""
+	}
+	return port
+}
+
+// logFields returns the config as fields for one startup log line, keyed like
+// the file. Secrets are masked.
+func (c config) logFields() map[string]any {
+	fields := make(map[string]any)
+	for _, s := range c.settings() {
+		fields[s.yaml] = s.value.logValue()
+	}
+	return fields
+}
+
+// secrets returns every secret value that is set, so a log hook can scrub
+// them from any line.
+func (c config) secrets() []string {
+	var secrets []string
+	for _, s := range c.settings() {
+		if h, ok := s.value.(secretHolder); ok {
+			secrets = append(secrets, h.secrets()...)
+		}
+	}
+	return secrets
+}
+
+// The config file.
+
+// fileConfig is the shape of kumiko.config.yaml. Decoding it with KnownFields
+// turns misspelt keys into errors. Leaves are kept as text, so that the file
+// and the environment go through the same parser (see settings);
+// TestSettingsTable keeps the two in step.
+type fileConfig struct {
+	InstanceID fileValue `yaml:"instanceId"`
+	HTTP       struct {
+		Addr fileValue `yaml:"addr"`
+	} `yaml:"http"`
+	Ops struct {
+		Addr fileValue `yaml:"addr"`
+	} `yaml:"ops"`
+	Log struct {
+		Format fileValue `yaml:"format"`
+	} `yaml:"log"`
+	Admin struct {
+		Token fileValue `yaml:"token"`
+	} `yaml:"admin"`
+	Database struct {
+		URL fileValue `yaml:"url"`
+	} `yaml:"database"`
+	Redis struct {
+		URL fileValue `yaml:"url"`
+	} `yaml:"redis"`
+	Search struct {
+		URL    fileValue `yaml:"url"`
+		APIKey fileValue `yaml:"apiKey"`
+	} `yaml:"search"`
+	Storage struct {
+		Endpoint  fileValue `yaml:"endpoint"`
+		AccessKey fileValue `yaml:"accessKey"`
+		SecretKey fileValue `yaml:"secretKey"`
+		Bucket    fileValue `yaml:"bucket"`
+		UseSSL    fileValue `yaml:"useSSL"`
+	} `yaml:"storage"`
+	Secrets struct {
+		MasterKey     fileValue `yaml:"masterKey"`
+		MasterKeyFile fileValue `yaml:"masterKeyFile"`
+	} `yaml:"secrets"`
+	Lifecycle struct {
+		StartupTimeoutSec   fileValue `yaml:"startupTimeoutSec"`
+		ShutdownTimeoutSec  fileValue `yaml:"shutdownTimeoutSec"`
+		LingerSec           fileValue `yaml:"lingerSec"`
+		DrainTimeoutSec     fileValue `yaml:"drainTimeoutSec"`
+		PhaseTimeoutSec     fileValue `yaml:"phaseTimeoutSec"`
+		ConnectMaxWaitSec   fileValue `yaml:"connectMaxWaitSec"`
+		ConnectRetryBaseSec fileValue `yaml:"connectRetryBaseSec"`
+		ConnectRetryMaxSec  fileValue `yaml:"connectRetryMaxSec"`
+		Migrations          struct {
+			Mode           fileValue `yaml:"mode"`
+			SchemaBaseline fileValue `yaml:"schemaBaseline"`
+		} `yaml:"migrations"`
+		LeaderElection struct {
+			Enabled              fileValue `yaml:"enabled"`
+			LockTTLSec           fileValue `yaml:"lockTtlSec"`
+			HeartbeatIntervalSec fileValue `yaml:"heartbeatIntervalSec"`
+		} `yaml:"leaderElection"`
+		Heartbeat struct {
+			IntervalSec fileValue `yaml:"intervalSec"`
+			TTLSec      fileValue `yaml:"ttlSec"`
+		} `yaml:"heartbeat"`
+		Readiness struct {
+			ProbeTimeoutSec fileValue `yaml:"probeTimeoutSec"`
+			CacheTTLSec     fileValue `yaml:"cacheTtlSec"`
+		} `yaml:"readiness"`
+	} `yaml:"lifecycle"`
+}
+
+// fileValue is one value from the file as written (3, 0.5 and "250ms" alike),
+// with its line for error messages.
+type fileValue struct {
+	raw  string
+	line int
+	set  bool // false when the key is absent or null
+}
+
+func (v *fileValue) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind != yaml.ScalarNode {
+		// A *yaml.TypeError is collected with the others instead of stopping the decode.
+		return &yaml.TypeError{Errors: []string{fmt.Sprintf("line %d: expected a single value, not a list or mapping", n.Line)}}
+	}
+	*v = fileValue{raw: n.Value, line: n.Line, set: true}
+	return nil
+}
+
+// values returns the values the file sets, keyed by dotted path
+// ("lifecycle.lingerSec"), the names the settings table uses.
+func (f *fileConfig) values() map[string]fileValue {
+	values := make(map[string]fileValue)
+	var walk func(prefix string, v reflect.Value)
+	walk = func(prefix string, v reflect.Value) {
+		for i := range v.NumField() {
+			path := prefix + v.Type().Field(i).Tag.Get("yaml")
+			if leaf, ok := v.Field(i).Interface().(fileValue); ok {
+				if leaf.set {
+					values[path] = leaf
+				}
+			} else {
+				walk(path+".", v.Field(i))
+			}
+		}
+	}
+	walk("", reflect.ValueOf(*f))
+	return values
+}
+
+// readConfigFile reads and decodes the config file. It returns the file's name
+// for error messages, the values it sets, and every problem found in it.
+func readConfigFile(getenv func(string) string, readFile func(string) ([]byte, error)) (string, map[string]fileValue, []error) {
+	name, explicit := getenv("KUMIKO_CONFIG"), true
+	if name == "" {
+		name, explicit = configFileName, false
+	}
+	data, err := readFile(name)
+	if err != nil {
+		if !explicit && errors.Is(err, fs.ErrNotExist) {
+			return name, nil, nil // the file is optional unless asked for by name
+		}
+		if explicit {
+			err = fmt.Errorf("KUMIKO_CONFIG: %w", err)
+		}
+		return name, nil, []error{err}
+	}
+
+	var f fileConfig
+	var problems []error
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	err = dec.Decode(&f)
+	if errors.Is(err, io.EOF) {
+		return name, nil, nil // an empty file sets nothing
+	}
+	if err != nil {
+		typeErr, ok := errors.AsType[*yaml.TypeError](err)
+		if !ok {
+			return name, nil, []error{fmt.Errorf("%s: %w", name, err)} // malformed YAML
+		}
+		// Unknown keys and misplaced values: the decoder carried on past
+		// them, so the rest of f is still usable.
+		for _, msg := range typeErr.Errors {
+			problems = append(problems, fmt.Errorf("%s: %s", name, withoutGoTypes(msg)))
+		}
+	}
+	if !errors.Is(dec.Decode(new(yaml.Node)), io.EOF) {
+		problems = append(problems, fmt.Errorf("%s: only one YAML document is allowed", name))
+	}
+	return name, f.values(), problems
+}
+
+// withoutGoTypes drops the Go type that yaml.v3 names in its messages
+// ("field x not found in type struct {...}"); it means nothing to whoever
+// edits the file.
+func withoutGoTypes(msg string) string {
+	if before, _, ok := strings.Cut(msg, " in type "); ok {
+		return before
+	}
+	if i := strings.LastIndex(msg, " into "); i >= 0 {
+		return msg[:i] + ", expected a mapping" // only sections decode into Go structs
+	}
+	return msg
+}
+
+// Setting values.
+
+// A settingValue parses text from the file or the environment into one config
+// field, and renders that field for the startup log. A rejected string is
+// still stored, so that checks such as "is required" don't pile on; the config
+// is discarded anyway.
+type settingValue interface {
+	set(raw string) error
+	logValue() any
+}
+
+// secretHolder is implemented by the values that can contain secrets.
+type secretHolder interface {
+	secrets() []string
+}
+
+type textValue struct{ p *string }
+
+func (v textValue) set(raw string) error { *v.p = raw; return nil }
+func (v textValue) logValue() any        { return *v.p }
+
+type choiceValue struct {
+	p       *string
+	allowed []string
+}
+
+func (v choiceValue) set(raw string) error {
+	*v.p = raw
+	if !slices.Contains(v.allowed, raw) {
+		return fmt.Errorf("%q is not one of %s", raw, strings.Join(v.allowed, ", "))
+	}
+	return nil
+}
+
+func (v choiceValue) logValue() any { return *v.p }
+
+// addrValue is a listen or dial address, host:port. The host may be empty
+// (":8080", all interfaces) and the port may be 0 (any free port).
+type addrValue struct {
+	p        *string
+	optional bool // empty means the feature is off
+}
+
+func (v addrValue) set(raw string) error {
+	*v.p = raw
+	if raw == "" && v.optional {
+		return nil
+	}
+	_, port, err := net.SplitHostPort(raw)
+	if err != nil {
+		return fmt.Errorf("want host:port: %w", err)
+	}
+	if _, err := strconv.ParseUint(port, 10, 16); err != nil {
+		return fmt.Errorf("port %q is not a number from 0 to 65535", port)
+	}
+	return nil
+}
+
+func (v addrValue) logValue() any { return *v.p }
+
+// secretValue is a token or key. It never appears in the log or in an error.
+type secretValue struct {
+	p      *string
+	minLen int // in characters, when set
+}
+
+func (v secretValue) set(raw string) error {
+	*v.p = raw
+	if n := utf8.RuneCountInString(raw); raw != "" && n < v.minLen {
+		return fmt.Errorf("must be at least %d characters long, got %d", v.minLen, n)
+	}
+	return nil
+}
+
+func (v secretValue) logValue() any {
+	if *v.p == "" {
+		return ""
+	}
+	return redactedMark
+}
+
+func (v secretValue) secrets() []string {
+	if *v.p == "" {
+		return nil
+	}
+	return []string{*v.p}
+}
+
+// urlValue is a connection URL, which may embed a password. Errors never
+// quote the URL, since they end up in logs.
+type urlValue struct {
+	p        *string
+	schemes  []string
+	keywords bool // also accept a libpq "host=db dbname=app" string
+}
+
+func (v urlValue) set(raw string) error {
+	*v.p = raw
+	if raw == "" {
+		return nil // optional here; validate insists on the required ones
+	}
+	if v.keywords && isKeywordDSN(raw) {
+		_, err := parseKeywordDSN(raw)
+		return err
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		if urlErr, ok := errors.AsType[*url.Error](err); ok {
+			err = urlErr.Err // the *url.Error repeats the whole URL, password included
+		}
+		return fmt.Errorf("not a valid URL: %w", err)
+	}
+	if !slices.Contains(v.schemes, u.Scheme) {
+		return fmt.Errorf("the URL scheme must be one of %s, got %q", strings.Join(v.schemes, ", "), u.Scheme)
+	}
+	return nil
+}
+
+func (v urlValue) logValue() any     { return redactConnString(*v.p) }
+func (v urlValue) secrets() []string { return connPasswords(*v.p) }
+
+type durationValue struct {
+	p      *time.Duration
+	zeroOK bool // zero is a meaningful setting, not a mistake
+}
+
+func (v durationValue) set(raw string) error {
+	d, err := parseDuration(raw)
+	switch {
+	case err != nil:
+		return err
+	case d < 0:
+		return fmt.Errorf("%q is negative", raw)
+	case d == 0 && !v.zeroOK:
+		return fmt.Errorf("must be greater than zero")
+	}
+	*v.p = d
+	return nil
+}
+
+func (v durationValue) logValue() any { return v.p.String() }
+
+type boolValue struct{ p *bool }
+
+func (v boolValue) set(raw string) error {
+	b, err := strconv.ParseBool(raw)
+	if err != nil {
+		return fmt.Errorf("want true, false, 1 or 0, got %q", raw)
+	}
+	*v.p = b
+	return nil
+}
+
+func (v boolValue) logValue() any { return *v.p }
+
+type uintValue struct{ p *uint }
+
+func (v uintValue) set(raw string) error {
+	n, err := strconv.ParseUint(raw, 10, strconv.IntSize)
+	if err != nil {
+		return fmt.Errorf("want a whole number, 0 or more, got %q", raw)
+	}
+	*v.p = uint(n)
+	return nil
+}
+
+func (v uintValue) logValue() any { return *v.p }
+
+// parseDuration parses a Go duration ("250ms", "1m30s") or a bare number of
+// seconds ("3", "0.5"), the unit the *Sec setting names promise.
+func parseDuration(s string) (time.Duration, error) {
+	if secs, err := strconv.ParseFloat(s, 64); err == nil {
+		ns := math.Round(secs * float64(time.Second))
+		// float64(math.MaxInt64) rounds up to 2⁶³, one past the largest Duration.
+		if math.IsNaN(ns) || ns >= math.MaxInt64 || ns < math.MinInt64 {
+			return 0, fmt.Errorf("%q seconds is out of range", s)
+		}
+		return time.Duration(ns), nil
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		return 0, fmt.Errorf("%w (want seconds like 3 or 0.5, or a duration like 250ms or 1m30s)", err)
+	}
+	return d, nil
+}
+
+// Connection strings.
+
+// redactConnString returns a connection string that is safe to log.
+func redactConnString(s string) string {
+	if s == "" {
+		return ""
+	}
+	if isKeywordDSN(s) {
+		pairs, err := parseKeywordDSN(s)
+		if err != nil {
+			return redactedMark
+		}
+		for i := range pairs {
+			if pairs[i].key == "password" {
+				pairs[i].value = "xxxxx"
+			}
+		}
+		return formatKeywordDSN(pairs)
+	}
+	u, err := url.Parse(s)
+	if err != nil {
+		return redactedMark // no telling where a password might be
+	}
+	// Postgres drivers also take the password as a query parameter.
+	if q := u.Query(); q.Has("password") {
+		q.Set("password", "xxxxx")
+		u.RawQuery = q.Encode()
+	}
+	return u.Redacted()
+}
+
+// connPasswords returns the passwords in a connection string.
+func connPasswords(s string) []string {
+	var passwords []string
+	add := func(pw string) {
+		if pw != "" {
+			passwords = append(passwords, pw)
+		}
+	}
+	if isKeywordDSN(s) {
+		pairs, _ := parseKeywordDSN(s)
+		for _, p := range pairs {
+			if p.key == "password" {
+				add(p.value)
+			}
+		}
+		return passwords
+	}
+	u, err := url.Parse(s)
+	if err != nil {
+		return nil
+	}
+	pw, _ := u.User.Password()
+	add(pw)
+	add(u.Query().Get("password"))
+	return passwords
+}
+
+// isKeywordDSN tells a libpq "host=db dbname=app" string from a URL.
+func isKeywordDSN(s string) bool {
+	return strings.Contains(s, "=") && !strings.Contains(s, "://")
+}
+
+type dsnPair struct{ key, value string }
+
+// parseKeywordDSN splits a libpq "host=db dbname='my app'" string into its
+// pairs. Errors never quote the string: it may hold a password.
+func parseKeywordDSN(s string) ([]dsnPair, error) {
+	var pairs []dsnPair
+	for s = strings.TrimSpace(s); s != ""; s = strings.TrimSpace(s) {
+		key, rest, ok := strings.Cut(s, "=")
+		key = strings.TrimSpace(key)
+		if !ok || key == "" || strings.ContainsAny(key, " \t\r\n") {
+			return nil, errors.New(`not a valid "key=value ..." connection string`)
+		}
+		value, rest, err := dsnValue(strings.TrimSpace(rest))
+		if err != nil {
+			return nil, err
+		}
+		pairs = append(pairs, dsnPair{key, value})
+		s = rest
+	}
+	return pairs, nil
+}
+
+// dsnValue reads one value, bare or 'quoted', where a backslash escapes the
+// next character, and returns what follows it.
+func dsnValue(s string) (value, rest string, err error) {
+	quoted := strings.HasPrefix(s, "'")
+	if quoted {
+		s = s[1:]
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '\\' && i+1 < len(s):
+			i++
+			b.WriteByte(s[i])
+		case quoted && c == '\'':
+			return b.String(), s[i+1:], nil
+		case !quoted && strings.IndexByte(" \t\r\n", c) >= 0:
+			return b.String(), s[i:], nil
+		default:
+			b.WriteByte(c)
+		}
+	}
+	if quoted {
+		return "", "", errors.New("unterminated quoted value in connection string")
+	}
+	return b.String(), "", nil
+}
+
+func formatKeywordDSN(pairs []dsnPair) string {
+	escape := strings.NewReplacer(`\`, `\\`, `'`, `\'`)
+	parts := make([]string, len(pairs))
+	for i, p := range pairs {
+		v := p.value
+		if v == "" || strings.ContainsAny(v, " \t\r\n'\\") {
+			v = "'" + escape.Replace(v) + "'"
+		}
+		parts[i] = p.key + "=" + v
+	}
+	return strings.Join(parts, " ")
+}

@@ -1,0 +1,119 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+
+	"github.com/labstack/echo/v4"
+	"github.com/robfig/cron/v3"
+)
+
+// feature is everything one feature brings, declared up front so phase 6 can
+// check the whole graph before anything connects: its routes, the events it
+// publishes and subscribes to, its jobs and cron schedules, and the settings it
+// cannot work without.
+type feature struct {
+	name          string
+	routes        []route
+	publishes     []string
+	subscriptions []subscription
+	jobs          []string
+	crons         []cronSchedule
+	requires      []setting
+}
+
+type route struct {
+	method, path string
+	handler      echo.HandlerFunc
+}
+
+// subscription runs job whenever event is delivered from the outbox.
+type subscription struct{ event, job string }
+
+type cronSchedule struct{ job, spec string }
+
+// setting is a configuration value a feature needs; present says whether it is set.
+type setting struct {
+	name    string
+	present bool
+}
+
+// registerFeatures is phase 5: every feature of the process, in one list.
+func (a *app) registerFeatures() []feature {
+	return []feature{
+		{
+			name:      "lifecycle",
+			publishes: []string{eventStateChanged},
+		},
+		{
+			name: "drainDemo",
+			routes: []route{
+				{http.MethodGet, "/api/slow", handleSlow(maxSlowRequest)},
+			},
+		},
+	}
+}
+
+// validateFeatures is phase 6: every problem of the feature graph, all at once.
+func validateFeatures(features []feature) error {
+	var problems []error
+	seen := func(kind string) func(owner, name string) {
+		owners := map[string]string{}
+		return func(owner, name string) {
+			if first, dup := owners[name]; dup {
+				problems = append(problems, fmt.Errorf("%s %q is declared by both %s and %s", kind, name, first, owner))
+				return
+			}
+			owners[name] = owner
+		}
+	}
+	featureName, routeKey, eventName, jobName := seen("feature"), seen("route"), seen("event"), seen("job")
+
+	events, jobs := map[string]bool{}, map[string]bool{}
+	for _, f := range features {
+		featureName("the feature list", f.name)
+		for _, r := range f.routes {
+			routeKey(f.name, r.method+" "+r.path)
+			if !strings.HasPrefix(r.path, "/api/") {
+				problems = append(problems, fmt.Errorf("feature %s: route %s %s is outside /api/", f.name, r.method, r.path))
+			}
+		}
+		for _, e := range f.publishes {
+			eventName(f.name, e)
+			events[e] = true
+		}
+		for _, j := range f.jobs {
+			jobName(f.name, j)
+			jobs[j] = true
+		}
+		for _, s := range f.requires {
+			if !s.present {
+				problems = append(problems, fmt.Errorf("feature %s needs %s, which is not set", f.name, s.name))
+			}
+		}
+	}
+	// References are checked once every declaration is known, so the order of
+	// the feature list does not matter.
+	parser := cron.NewParser(cron.Minute | cron.Hour | cron.Dom | cron.Month | cron.Dow | cron.Descriptor)
+	for _, f := range features {
+		for _, s := range f.subscriptions {
+			if !events[s.event] {
+				problems = append(problems, fmt.Errorf("feature %s subscribes to unknown event %q", f.name, s.event))
+			}
+			if !jobs[s.job] {
+				problems = append(problems, fmt.Errorf("feature %s subscribes unknown job %q to %q", f.name, s.job, s.event))
+			}
+		}
+		for _, c := range f.crons {
+			if !jobs[c.job] {
+				problems = append(problems, fmt.Errorf("feature %s schedules unknown job %q", f.name, c.job))
+			}
+			if _, err := parser.Parse(c.spec); err != nil {
+				problems = append(problems, fmt.Errorf("feature %s: cron %q for job %s: %w", f.name, c.spec, c.job, err))
+			}
+		}
+	}
+	return errors.Join(problems...)
+}

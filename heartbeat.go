@@ -1,0 +1,165 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
+)
+
+const heartbeatKeyPrefix = "heartbeat:"
+
+// heartbeats keeps the "still alive" keys of this instance's background workers:
+// SETEX heartbeat:<worker>:<instanceId> <ttl> <unix ts>. A worker beats from its
+// own loop, so a loop that is stuck stops beating and goes stale: readiness turns
+// 503 here, and other instances stop listing it once the key expires.
+type heartbeats struct {
+	rdb        *redis.Client
+	instanceID string
+	ttl        time.Duration
+	metrics    *metrics
+	health     *readiness
+
+	mu      sync.Mutex
+	handles []*heartbeat
+}
+
+// heartbeat is one worker's handle.
+type heartbeat struct {
+	worker string
+	key    string
+	owner  *heartbeats
+	last   atomic.Int64 // unix nanoseconds of the last successful beat; 0 = never
+}
+
+func newHeartbeats(rdb *redis.Client, instanceID string, ttl time.Duration, m *metrics, rd *readiness) *heartbeats {
+	hs := &heartbeats{rdb: rdb, instanceID: instanceID, ttl: ttl, metrics: m, health: rd}
+	m.registry.MustRegister(heartbeatAgeCollector{hs})
+	return hs
+}
+
+// RegisterHeartbeat returns the handle a worker beats with, and makes a stale
+// beat fail readiness under check (e.g. "outboxPoller").
+func (hs *heartbeats) RegisterHeartbeat(worker, check string) *heartbeat {
+	h := &heartbeat{worker: worker, key: heartbeatKeyPrefix + worker + ":" + hs.instanceID, owner: hs}
+	hs.mu.Lock()
+	hs.handles = append(hs.handles, h)
+	hs.mu.Unlock()
+	hs.health.RegisterReadinessCheck(check, true, h.readinessCheck)
+	return h
+}
+
+// beat writes the key with the TTL; the value is the unix time of the beat.
+// SET with an expiry is SETEX with millisecond precision (PX), so tests can run
+// with sub-second TTLs.
+func (h *heartbeat) beat(ctx context.Context) error {
+	now := time.Now()
+	err := h.owner.rdb.Set(ctx, h.key, now.Unix(), h.owner.ttl).Err()
+	if err != nil {
+		h.owner.metrics.heartbeatWritten.WithLabelValues(h.worker, "failed").Inc()
+		return fmt.Errorf("writing heartbeat %s: %w", h.key, err)
+	}
+	h.last.Store(now.UnixNano())
+	h.owner.metrics.heartbeatWritten.WithLabelValues(h.worker, "ok").Inc()
+	return nil
+}
+
+// age is the time since the last successful beat; ok is false before the first.
+func (h *heartbeat) age() (time.Duration, bool) {
+	last := h.last.Load()
+	if last == 0 {
+		return 0, false
+	}
+	return time.Since(time.Unix(0, last)), true
+}
+
+// readinessCheck fails when this instance's own worker has not beaten within the TTL.
+func (h *heartbeat) readinessCheck(context.Context) checkResult {
+	age, ok := h.age()
+	if !ok {
+		return checkResult{OK: false, Detail: map[string]any{"error": "no heartbeat yet"}}
+	}
+	detail := map[string]any{"heartbeatAgoSec": int64(age.Seconds())}
+	if age > h.owner.ttl {
+		detail["error"] = fmt.Sprintf("heartbeat is stale (%s old, ttl %s)", age.Round(time.Millisecond), h.owner.ttl)
+		return checkResult{OK: false, Detail: detail}
+	}
+	return okResult(detail)
+}
+
+// clear deletes this instance's heartbeat keys: a clean stop is not a crash, so
+// nobody should have to wait for the TTL to see the worker gone.
+func (hs *heartbeats) clear(ctx context.Context) error {
+	hs.mu.Lock()
+	keys := make([]string, 0, len(hs.handles))
+	for _, h := range hs.handles {
+		keys = append(keys, h.key)
+	}
+	hs.mu.Unlock()
+	if len(keys) == 0 {
+		return nil
+	}
+	if err := hs.rdb.Del(ctx, keys...).Err(); err != nil {
+		return fmt.Errorf("deleting heartbeat keys: %w", err)
+	}
+	return nil
+}
+
+// heartbeatAgeCollector exports kumiko_worker_heartbeat_age_seconds{worker},
+// computed at scrape time so a stuck worker's age keeps growing.
+type heartbeatAgeCollector struct{ hs *heartbeats }
+
+var heartbeatAgeDesc = prometheus.NewDesc("kumiko_worker_heartbeat_age_seconds",
+	"Seconds since this instance's worker last wrote its heartbeat.", []string{"worker"}, nil)
+
+func (c heartbeatAgeCollector) Describe(ch chan<- *prometheus.Desc) { ch <- heartbeatAgeDesc }
+
+func (c heartbeatAgeCollector) Collect(ch chan<- prometheus.Metric) {
+	c.hs.mu.Lock()
+	defer c.hs.mu.Unlock()
+	for _, h := range c.hs.handles {
+		if age, ok := h.age(); ok {
+			ch <- prometheus.MustNewConstMetric(heartbeatAgeDesc, prometheus.GaugeValue, age.Seconds(), h.worker)
+		}
+	}
+}
+
+// liveWorker is one heartbeat key found in Redis, from any instance.
+type liveWorker struct {
+	Worker     string `json:"worker"`
+	InstanceID string `json:"instanceId"`
+	AgeSec     int64  `json:"ageSec"`
+}
+
+// listLiveWorkers reads every heartbeat key: the workers alive across all
+// instances right now (expired keys are gone by themselves).
+func listLiveWorkers(ctx context.Context, rdb *redis.Client) ([]liveWorker, error) {
+	var workers []liveWorker
+	iter := rdb.Scan(ctx, 0, heartbeatKeyPrefix+"*", 100).Iterator()
+	for iter.Next(ctx) {
+		key := iter.Val()
+		worker, instance, ok := strings.Cut(strings.TrimPrefix(key, heartbeatKeyPrefix), ":")
+		if !ok {
+			continue
+		}
+		raw, err := rdb.Get(ctx, key).Result()
+		if err == redis.Nil {
+			continue // expired between SCAN and GET
+		}
+		if err != nil {
+			return nil, fmt.Errorf("reading %s: %w", key, err)
+		}
+		ts, _ := strconv.ParseInt(raw, 10, 64)
+		workers = append(workers, liveWorker{Worker: worker, InstanceID: instance, AgeSec: time.Now().Unix() - ts})
+	}
+	if err := iter.Err(); err != nil {
+		return nil, fmt.Errorf("scanning heartbeat keys: %w", err)
+	}
+	return workers, nil
+}

@@ -1,0 +1,62 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/redis/go-redis/v9"
+)
+
+// A heartbeat handle is registered, updated, goes stale, and is cleared at shutdown.
+func TestHeartbeatLifecycle(t *testing.T) {
+	srv := testRedis(t)
+	opts, _ := redis.ParseURL(srv.URL)
+	rdb := redis.NewClient(opts)
+	defer rdb.Close()
+	ctx := context.Background()
+
+	lc := readyLifecycle(t)
+	m := newMetrics()
+	rd := newReadiness(lc, m, time.Second, time.Millisecond)
+	hs := newHeartbeats(rdb, "inst-1", 300*time.Millisecond, m, rd)
+	hb := hs.RegisterHeartbeat("outbox", "outboxPoller")
+
+	if rep, ok := rd.report(ctx); ok || rep.Checks["outboxPoller"].OK {
+		t.Fatalf("ready before the first beat: %+v", rep.Checks)
+	}
+	if err := hb.beat(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ttl, err := rdb.PTTL(ctx, "heartbeat:outbox:inst-1").Result()
+	if err != nil || ttl <= 0 || ttl > 300*time.Millisecond {
+		t.Fatalf("heartbeat key TTL %v (%v), want ≤ 300ms", ttl, err)
+	}
+	if _, ok := rd.report(ctx); !ok {
+		t.Fatal("not ready right after a beat")
+	}
+	workers, err := listLiveWorkers(ctx, rdb)
+	if err != nil || len(workers) != 1 || workers[0].Worker != "outbox" || workers[0].InstanceID != "inst-1" {
+		t.Fatalf("live workers %+v, %v", workers, err)
+	}
+	if err := testutil.CollectAndCompare(heartbeatAgeCollector{hs}, strings.NewReader(""), "kumiko_worker_heartbeat_age_seconds"); err == nil {
+		t.Fatal("age metric missing") // compare against empty must fail when the metric exists
+	}
+
+	time.Sleep(350 * time.Millisecond) // the worker "hangs": no beat within the TTL
+	if rep, ok := rd.report(ctx); ok || !strings.Contains(rep.Checks["outboxPoller"].Detail["error"].(string), "stale") {
+		t.Fatalf("a stale heartbeat kept the instance ready: %+v", rep.Checks["outboxPoller"])
+	}
+
+	if err := hb.beat(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := hs.clear(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := rdb.Exists(ctx, "heartbeat:outbox:inst-1").Result(); n != 0 {
+		t.Fatal("heartbeat key still there after a clean stop")
+	}
+}

@@ -1,0 +1,225 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/labstack/echo/v4"
+	"github.com/minio/minio-go/v7"
+	"github.com/minio/minio-go/v7/pkg/credentials"
+)
+
+// syncBuffer collects the log lines of an in-process service.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+// lines decodes the JSON log lines written so far.
+func (b *syncBuffer) lines() []map[string]any {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var out []map[string]any
+	sc := bufio.NewScanner(bytes.NewReader(b.buf.Bytes()))
+	for sc.Scan() {
+		l := map[string]any{}
+		if json.Unmarshal(sc.Bytes(), &l) == nil {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+func (b *syncBuffer) find(want map[string]any) map[string]any {
+	for _, l := range b.lines() {
+		if matches(l, want) {
+			return l
+		}
+	}
+	return nil
+}
+
+// inProcess is the service running inside the test, through newApp and serve.
+type inProcess struct {
+	app    *app
+	logs   *syncBuffer
+	cancel context.CancelFunc
+	done   chan error
+}
+
+func startInProcess(t *testing.T, env map[string]string) *inProcess {
+	t.Helper()
+	logs := &syncBuffer{}
+	env["KUMIKO_CONFIG"] = ""
+	t.Chdir(t.TempDir()) // no kumiko.config.yaml here
+	a := newApp(func(k string) string { return env[k] }, logs)
+	ctx, cancel := context.WithCancel(context.Background())
+	s := &inProcess{app: a, logs: logs, cancel: cancel, done: make(chan error, 1)}
+	go func() { s.done <- a.serve(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-s.done:
+		case <-time.After(15 * time.Second):
+			t.Error("in-process service did not stop")
+		}
+	})
+	deadline := time.Now().Add(20 * time.Second)
+	for a.lc.State() == StateStarting && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if a.lc.State() != StateReady {
+		t.Fatalf("service state %s, logs:\n%s", a.lc.State(), logs.buf.String())
+	}
+	return s
+}
+
+// stop asks for a shutdown the way SIGTERM does and returns serve's error.
+func (s *inProcess) stop(t *testing.T) error {
+	t.Helper()
+	s.cancel()
+	select {
+	case err := <-s.done:
+		s.done <- err // for the cleanup
+		return err
+	case <-time.After(15 * time.Second):
+		t.Fatal("service did not stop")
+		return nil
+	}
+}
+
+// A panic in a background goroutine is logged with its stack, counted, and
+// starts a graceful shutdown that ends in exit 1.
+func TestBackgroundPanicDrainsAndFails(t *testing.T) {
+	s := startInProcess(t, fastEnv(t))
+	go func() {
+		defer s.app.recoverToShutdown("testWorker")
+		panic("worker state corrupted")
+	}()
+	select {
+	case err := <-s.done:
+		s.done <- err
+		if err == nil || !strings.Contains(err.Error(), "panic in testWorker") {
+			t.Fatalf("serve returned %v, want a failure naming the panic", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a background panic did not shut the service down")
+	}
+	l := s.logs.find(map[string]any{"msg": "background goroutine panicked"})
+	if l == nil || !strings.Contains(l["stack"].(string), "TestBackgroundPanicDrainsAndFails") {
+		t.Fatalf("panic log line without stack: %v", l)
+	}
+	if s.logs.find(map[string]any{"event": "state_changed", "to": "stopped"}) == nil {
+		t.Fatal("the panic did not lead to a full drain")
+	}
+}
+
+// A panic in an HTTP handler is a 500 for that request only.
+func TestHandlerPanicIsA500(t *testing.T) {
+	e := newEcho(newLogger(&syncBuffer{}, "json"), newMetrics(), "api")
+	e.GET("/api/boom", func(c echo.Context) error { panic("handler bug") })
+	rec := httptest.NewRecorder()
+	e.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/api/boom", nil))
+	if rec.Code != 500 || !strings.Contains(rec.Body.String(), `"code":"internal"`) {
+		t.Fatalf("panic answered %d %s", rec.Code, rec.Body.String())
+	}
+}
+
+// A shutdown hook that hangs past KUMIKO_SHUTDOWN_TIMEOUT makes the exit 1,
+// and the process does not wait for it beyond the budget.
+func TestHangingHookPastShutdownBudgetFails(t *testing.T) {
+	env := fastEnv(t)
+	env["KUMIKO_LINGER"] = "0"
+	env["KUMIKO_DRAIN_TIMEOUT"] = "100ms"
+	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "500ms"
+	s := startInProcess(t, env)
+	hang := make(chan struct{})
+	defer close(hang)
+	s.app.lc.RegisterShutdownHook("stuckWorker", func(context.Context) error { <-hang; return nil })
+
+	start := time.Now()
+	err := s.stop(t)
+	if err == nil || !strings.Contains(err.Error(), "stuckWorker") {
+		t.Fatalf("serve returned %v, want a failure naming the hung hook", err)
+	}
+	if took := time.Since(start); took > 2*time.Second {
+		t.Fatalf("shutdown took %s with a 500ms budget", took)
+	}
+	// The hooks after the hung one still ran: the DB pool was closed.
+	if s.logs.find(map[string]any{"step": "db"}) == nil {
+		t.Fatal("the db hook did not run after the hung hook")
+	}
+}
+
+// meiliDouble is a test double of the one Meilisearch endpoint the boot calls
+// (GET /health). No Meilisearch server can be installed here; docker-compose
+// runs the real one.
+func meiliDouble(t *testing.T, status string) string {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/health" {
+			http.NotFound(w, r)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Write([]byte(`{"status":"` + status + `"}`))
+	}))
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
+
+// Search and storage are optional: up, they are checked; down, the boot warns
+// and goes on, and readiness stays 200.
+func TestOptionalAdaptersUpAndDown(t *testing.T) {
+	t.Run("up", func(t *testing.T) {
+		s3 := testS3(t)
+		env := fastEnv(t)
+		env["MEILI_URL"] = meiliDouble(t, "available")
+		env["S3_ENDPOINT"], env["S3_ACCESS_KEY"], env["S3_SECRET_KEY"], env["S3_BUCKET"] = s3.Endpoint, s3.AccessKey, s3.SecretKey, "receipts"
+		s := startInProcess(t, env)
+		for _, phase := range []string{"searchAdapter", "fileStorage"} {
+			if s.logs.find(map[string]any{"phase": phase, "outcome": "ok"}) == nil {
+				t.Errorf("phase %s not ok", phase)
+			}
+		}
+		client, _ := minio.New(s3.Endpoint, &minio.Options{Creds: credentials.NewStaticV4(s3.AccessKey, s3.SecretKey, "")})
+		if ok, err := client.BucketExists(context.Background(), "receipts"); !ok || err != nil {
+			t.Errorf("bucket not created by phase 12: %v %v", ok, err)
+		}
+		rep, ok := s.app.health.report(context.Background())
+		if !ok || !rep.Checks["search"].OK || !rep.Checks["storage"].OK {
+			t.Errorf("readiness %v %+v", ok, rep.Checks)
+		}
+	})
+	t.Run("down", func(t *testing.T) {
+		env := fastEnv(t)
+		env["MEILI_URL"] = "http://" + closedAddr(t)
+		env["S3_ENDPOINT"], env["S3_ACCESS_KEY"], env["S3_SECRET_KEY"] = closedAddr(t), "key", "secret-key-123"
+		s := startInProcess(t, env)
+		for _, phase := range []string{"searchAdapter", "fileStorage"} {
+			if s.logs.find(map[string]any{"phase": phase, "outcome": "warn"}) == nil {
+				t.Errorf("phase %s did not warn", phase)
+			}
+		}
+		rep, ok := s.app.health.report(context.Background())
+		if !ok || rep.Checks["search"].OK || rep.Checks["storage"].OK {
+			t.Errorf("want ready with search and storage shown failing: %v %+v", ok, rep.Checks)
+		}
+		if strings.Contains(s.logs.buf.String(), "secret-key-123") {
+			t.Error("the S3 secret key was logged")
+		}
+	})
+}

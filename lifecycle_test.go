@@ -1,0 +1,191 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"io"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+func newTestLifecycle() *Lifecycle {
+	return newLifecycle(newLogger(io.Discard, "json"), newMetrics(), time.Now())
+}
+
+func TestStateTransitionsMoveForwardOnly(t *testing.T) {
+	lc := newTestLifecycle()
+	var seen []string
+	unregister := lc.OnStateChange(func(from, to State) { seen = append(seen, from.String()+"→"+to.String()) })
+
+	lc.moveTo(StateReady)
+	lc.moveTo(StateDraining)
+	for _, back := range []State{StateStarting, StateReady, StateDraining} {
+		func() {
+			defer func() {
+				if recover() == nil {
+					t.Errorf("draining → %s did not panic", back)
+				}
+			}()
+			lc.moveTo(back)
+		}()
+	}
+	unregister()
+	lc.moveTo(StateStopped)
+
+	if want := []string{"starting→ready", "ready→draining"}; !slices.Equal(seen, want) {
+		t.Errorf("callbacks saw %v, want %v (none after unregister)", seen, want)
+	}
+	if lc.State() != StateStopped {
+		t.Errorf("state %s", lc.State())
+	}
+}
+
+func TestStateMayBeSkippedButNotRepeated(t *testing.T) {
+	lc := newTestLifecycle()
+	lc.advanceTo(StateDraining) // a boot aborted by SIGTERM never was ready
+	lc.advanceTo(StateDraining) // a second request is a no-op, not a panic
+	if lc.State() != StateDraining {
+		t.Fatalf("state %s", lc.State())
+	}
+}
+
+func TestPhaseFailurePolicies(t *testing.T) {
+	lc := newTestLifecycle()
+	ctx := context.Background()
+	boom := errors.New("boom")
+
+	if err := lc.runPhase(ctx, "config", time.Second, failExit, func(context.Context, *phaseRun) error { return boom }); !errors.Is(err, boom) || !strings.HasPrefix(err.Error(), "config: ") {
+		t.Errorf("failExit phase returned %v, want the error prefixed with the phase", err)
+	}
+	if err := lc.runPhase(ctx, "searchAdapter", time.Second, failWarn, func(context.Context, *phaseRun) error { return boom }); err != nil {
+		t.Errorf("failWarn phase ended the boot: %v", err)
+	}
+	if err := lc.runPhase(ctx, "fileStorage", time.Second, failExit, func(context.Context, *phaseRun) error { return skipPhase("S3_ENDPOINT is not set") }); err != nil {
+		t.Errorf("skipped phase ended the boot: %v", err)
+	}
+	got := lc.Timeline()
+	want := []phaseOutcome{outcomeFailed, outcomeWarn, outcomeSkipped}
+	for i, rec := range got {
+		if rec.Outcome != want[i] {
+			t.Errorf("phase %s outcome %s, want %s", rec.Phase, rec.Outcome, want[i])
+		}
+	}
+	if got[2].Note != "S3_ENDPOINT is not set" {
+		t.Errorf("skip reason %q", got[2].Note)
+	}
+}
+
+// A phase that overruns its timeout is aborted even if it ignores its context.
+func TestPhaseTimeoutAbortsAPhaseThatIgnoresItsContext(t *testing.T) {
+	lc := newTestLifecycle()
+	release := make(chan struct{})
+	defer close(release)
+	start := time.Now()
+	err := lc.runPhase(context.Background(), "featureRegister", 50*time.Millisecond, failExit, func(context.Context, *phaseRun) error {
+		<-release // ignores ctx
+		return nil
+	})
+	if !errors.Is(err, errPhaseTimeout) || !strings.Contains(err.Error(), "did not finish within 50ms") {
+		t.Fatalf("err = %v, want a phase timeout naming the phase's budget", err)
+	}
+	if took := time.Since(start); took > 2*time.Second {
+		t.Fatalf("the boot waited %s for a phase with a 50ms timeout", took)
+	}
+}
+
+// A warn phase that times out warns; the boot budget running out still fails.
+func TestBootBudgetEndsEvenAWarnPhase(t *testing.T) {
+	lc := newTestLifecycle()
+	ctx, cancel := context.WithTimeoutCause(context.Background(), 30*time.Millisecond, errStartupBudget)
+	defer cancel()
+	err := lc.runPhase(ctx, "searchAdapter", time.Second, failWarn, func(ctx context.Context, _ *phaseRun) error {
+		<-ctx.Done()
+		return ctx.Err()
+	})
+	if !errors.Is(err, errStartupBudget) {
+		t.Fatalf("err = %v, want the startup budget", err)
+	}
+}
+
+func TestConnectBackoffSequence(t *testing.T) {
+	var got []time.Duration
+	for n := 1; n <= 8; n++ {
+		got = append(got, connectBackoff(time.Second, 30*time.Second, n))
+	}
+	want := []time.Duration{1, 2, 4, 8, 16, 30, 30, 30}
+	for i := range want {
+		if got[i] != want[i]*time.Second {
+			t.Fatalf("backoff sequence %v, want %v s", got, want)
+		}
+	}
+}
+
+func TestShutdownHooksRunLIFOAndASlowHookDoesNotBlockTheRest(t *testing.T) {
+	lc := newTestLifecycle()
+	var mu sync.Mutex
+	var ran []string
+	hook := func(name string, fn func(context.Context) error) {
+		lc.RegisterShutdownHook(name, func(ctx context.Context) error {
+			mu.Lock()
+			ran = append(ran, name)
+			mu.Unlock()
+			return fn(ctx)
+		})
+	}
+	release := make(chan struct{})
+	defer close(release)
+	hook("db", func(context.Context) error { return nil })
+	hook("redis", func(context.Context) error { return errors.New("connection reset") })
+	hook("jobsWorker", func(context.Context) error { <-release; return nil }) // hangs, ignoring ctx
+	hook("outboxPoller", func(context.Context) error { return nil })
+
+	ctx, cancel := context.WithTimeout(context.Background(), 400*time.Millisecond)
+	defer cancel()
+	var steps []string
+	start := time.Now()
+	err := lc.runShutdownHooks(ctx, func(name string, _ time.Duration, _ error) { steps = append(steps, name) })
+
+	if want := []string{"outboxPoller", "jobsWorker", "redis", "db"}; !slices.Equal(ran, want) || !slices.Equal(steps, want) {
+		t.Errorf("hooks ran %v (steps logged %v), want %v", ran, steps, want)
+	}
+	if err == nil || !strings.Contains(err.Error(), "jobsWorker") || !strings.Contains(err.Error(), "redis") {
+		t.Errorf("error %v should name both failing hooks", err)
+	}
+	if took := time.Since(start); took > time.Second {
+		t.Errorf("hooks took %s with a 400ms budget", took)
+	}
+	if lc.runShutdownHooks(ctx, func(string, time.Duration, error) { t.Error("a hook ran twice") }) != nil {
+		t.Error("second run returned an error")
+	}
+}
+
+func TestHookDeadlineKeepsAReserveForLaterHooks(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	d := time.Until(hookDeadline(ctx, 3))
+	if d < 6*time.Second || d > 7*time.Second+100*time.Millisecond {
+		t.Errorf("with 3 hooks after it, a hook gets %s of 10s; want about 7s (1s reserve each)", d)
+	}
+}
+
+func TestValidateFeaturesListsEveryProblem(t *testing.T) {
+	err := validateFeatures([]feature{
+		{name: "orders", publishes: []string{"order.created"}, jobs: []string{"indexOrder"},
+			subscriptions: []subscription{{event: "order.created", job: "indexOrder"}, {event: "order.shipped", job: "indexOrder"}},
+			crons:         []cronSchedule{{job: "report", spec: "*/5 * * *"}}},
+		{name: "orders", requires: []setting{{name: "MEILI_URL", present: false}}},
+		{name: "reports", jobs: []string{"indexOrder"}, routes: []route{{method: "GET", path: "/reports"}}},
+	})
+	if err == nil {
+		t.Fatal("no error")
+	}
+	for _, want := range []string{`feature "orders" is declared by both`, `unknown event "order.shipped"`, `unknown job "report"`,
+		`cron "*/5 * * *"`, "needs MEILI_URL", `job "indexOrder" is declared by both`, "outside /api/"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("missing %q in:\n%v", want, err)
+		}
+	}
+}

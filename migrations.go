@@ -1,0 +1,223 @@
+package main
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"slices"
+
+	"github.com/golang-migrate/migrate/v4"
+	"github.com/golang-migrate/migrate/v4/database"
+	pgxmigrate "github.com/golang-migrate/migrate/v4/database/pgx/v5"
+	"github.com/golang-migrate/migrate/v4/source/iofs"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+)
+
+// The schema ships inside the binary, so the binary and its migrations can
+// never disagree about which version they expect.
+//
+//go:embed migrations/*.sql
+var migrationFiles embed.FS
+
+// Migration modes (KUMIKO_MIGRATIONS_MODE).
+const (
+	migrationsExitOnPending = "exit-on-pending"
+	migrationsAutoApply     = "auto-apply"
+	migrationsWarnOnPending = "warn-on-pending"
+)
+
+// migrator wraps golang-migrate over the process's pool. golang-migrate holds a
+// Postgres advisory lock while it works, so two instances that auto-apply at
+// the same moment serialise: the second finds nothing left to do.
+type migrator struct {
+	m        *migrate.Migrate
+	driver   database.Driver
+	versions []uint // every version the binary ships, ascending
+}
+
+func newMigrator(pool *pgxpool.Pool) (*migrator, error) {
+	src, err := iofs.New(migrationFiles, "migrations")
+	if err != nil {
+		return nil, fmt.Errorf("reading the embedded migrations: %w", err)
+	}
+	versions, err := embeddedVersions()
+	if err != nil {
+		return nil, err
+	}
+	driver, err := pgxmigrate.WithInstance(stdlib.OpenDBFromPool(pool), &pgxmigrate.Config{})
+	if err != nil {
+		return nil, fmt.Errorf("preparing the migrations table: %w", err)
+	}
+	m, err := migrate.NewWithInstance("iofs", src, "pgx5", driver)
+	if err != nil {
+		return nil, fmt.Errorf("creating the migrator: %w", err)
+	}
+	return &migrator{m: m, driver: driver, versions: versions}, nil
+}
+
+// embeddedVersions lists the versions of the *.up.sql files in the binary.
+func embeddedVersions() ([]uint, error) {
+	names, err := fs.Glob(migrationFiles, "migrations/*.up.sql")
+	if err != nil {
+		return nil, fmt.Errorf("listing the embedded migrations: %w", err)
+	}
+	var versions []uint
+	for _, name := range names {
+		var v uint
+		if _, err := fmt.Sscanf(name, "migrations/%d_", &v); err != nil {
+			return nil, fmt.Errorf("migration %s has no numeric version prefix: %w", name, err)
+		}
+		versions = append(versions, v)
+	}
+	slices.Sort(versions)
+	return versions, nil
+}
+
+// Close releases the migrator's dedicated connection (the pool stays open).
+func (mg *migrator) Close() error {
+	srcErr, dbErr := mg.m.Close()
+	return errors.Join(srcErr, dbErr)
+}
+
+// schemaStatus is where the database is relative to the binary.
+type schemaStatus struct {
+	Version uint // 0: never migrated
+	Dirty   bool
+	Latest  uint // newest version the binary ships
+	Pending []uint
+}
+
+// status reads the version under the migration lock: while another instance
+// applies a migration the version row is marked dirty, and an unlocked read
+// would mistake that for a migration that failed half-way.
+func (mg *migrator) status() (schemaStatus, error) {
+	if err := mg.driver.Lock(); err != nil {
+		return schemaStatus{}, fmt.Errorf("taking the migration lock: %w", err)
+	}
+	defer mg.driver.Unlock()
+	st := schemaStatus{}
+	if len(mg.versions) > 0 {
+		st.Latest = mg.versions[len(mg.versions)-1]
+	}
+	v, dirty, err := mg.m.Version()
+	switch {
+	case errors.Is(err, migrate.ErrNilVersion):
+	case err != nil:
+		return st, fmt.Errorf("reading the schema version: %w", err)
+	default:
+		st.Version, st.Dirty = v, dirty
+	}
+	for _, v := range mg.versions {
+		if v > st.Version {
+			st.Pending = append(st.Pending, v)
+		}
+	}
+	return st, nil
+}
+
+// up applies every pending migration, stopping between two migrations when ctx ends.
+func (mg *migrator) up(ctx context.Context) error {
+	return mg.withContext(ctx, mg.m.Up)
+}
+
+// down rolls back n migrations.
+func (mg *migrator) down(ctx context.Context, n int) error {
+	return mg.withContext(ctx, func() error { return mg.m.Steps(-n) })
+}
+
+// withContext runs a golang-migrate call that knows no context: on ctx's end it
+// asks for a graceful stop, which golang-migrate honours between migrations (a
+// migration is never cut in half).
+func (mg *migrator) withContext(ctx context.Context, fn func() error) error {
+	stop := context.AfterFunc(ctx, func() {
+		select {
+		case mg.m.GracefulStop <- true:
+		default:
+		}
+	})
+	defer stop()
+	err := fn()
+	if errors.Is(err, migrate.ErrNoChange) {
+		return nil
+	}
+	if err == nil && ctx.Err() != nil {
+		return fmt.Errorf("migrations stopped early: %w", context.Cause(ctx))
+	}
+	return err
+}
+
+// ---------------------------------------------------------------------------
+// Phases 8 and 9
+
+// checkSchemaBaseline refuses a database that this binary can no longer migrate:
+// a dirty one (a migration failed half-way and needs a human) or one older than
+// the baseline the binary's migrations start from. A fresh database is left to
+// phase 9.
+func (a *app) checkSchemaBaseline(ctx context.Context, p *phaseRun) error {
+	baseline := a.cfg.Lifecycle.Migrations.SchemaBaseline
+	if baseline == 0 {
+		return skipPhase("KUMIKO_SCHEMA_BASELINE is not set")
+	}
+	mg, err := newMigrator(a.db)
+	if err != nil {
+		return err
+	}
+	defer mg.Close()
+	st, err := mg.status()
+	if err != nil {
+		return err
+	}
+	switch {
+	case st.Dirty:
+		return fmt.Errorf("schema version %d is dirty: a migration failed half-way; fix it by hand, then `migrate force`", st.Version)
+	case st.Version == 0:
+		p.note = "fresh database: phase migrationsCheck creates the schema"
+	case st.Version < baseline:
+		return fmt.Errorf("schema version %d is older than baseline %d that this binary supports: migrate with an older release first", st.Version, baseline)
+	}
+	return nil
+}
+
+// checkMigrations applies or reports pending migrations per KUMIKO_MIGRATIONS_MODE.
+func (a *app) checkMigrations(ctx context.Context, p *phaseRun) error {
+	mode := a.cfg.Lifecycle.Migrations.Mode
+	mg, err := newMigrator(a.db)
+	if err != nil {
+		return err
+	}
+	defer mg.Close()
+	st, err := mg.status()
+	if err != nil {
+		return err
+	}
+	if st.Dirty {
+		return fmt.Errorf("schema version %d is dirty: a migration failed half-way; fix it by hand, then `migrate force`", st.Version)
+	}
+	if st.Version > st.Latest {
+		// A rolled-back binary during a rolling deploy: expected, and the schema
+		// must stay compatible with it (expand/contract migrations).
+		p.warn(fmt.Sprintf("schema version %d is newer than this binary's %d (older binary during a deploy?)", st.Version, st.Latest))
+		return nil
+	}
+	if len(st.Pending) == 0 {
+		p.note = fmt.Sprintf("schema at version %d, mode %s", st.Version, mode)
+		return nil
+	}
+	switch mode {
+	case migrationsAutoApply:
+		if err := mg.up(ctx); err != nil {
+			return fmt.Errorf("applying migrations %v: %w", st.Pending, err)
+		}
+		p.note = fmt.Sprintf("applied up to version %d (mode %s)", st.Latest, mode)
+		return nil
+	case migrationsWarnOnPending:
+		p.warn(fmt.Sprintf("%d pending migrations %v (db at %d); running on the old schema", len(st.Pending), st.Pending, st.Version))
+		return nil
+	default:
+		return fmt.Errorf("%d pending migrations %v (db at version %d, binary at %d): run `kumiko-lifecycle-demo migrate up` or set KUMIKO_MIGRATIONS_MODE=auto-apply",
+			len(st.Pending), st.Pending, st.Version, st.Latest)
+	}
+}

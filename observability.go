@@ -1,0 +1,210 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/sirupsen/logrus"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	"go.opentelemetry.io/otel/sdk/resource"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+)
+
+// ---------------------------------------------------------------------------
+// Logs
+
+// newLogger is the process logger. Before the config is loaded only
+// KUMIKO_LOG_FORMAT decides the format; phase 1 applies the final one.
+func newLogger(out io.Writer, format string) *logrus.Logger {
+	log := logrus.New()
+	log.SetOutput(out)
+	setLogFormat(log, format)
+	return log
+}
+
+func setLogFormat(log *logrus.Logger, format string) {
+	if format == "json" {
+		log.SetFormatter(&logrus.JSONFormatter{TimestampFormat: time.RFC3339Nano})
+		return
+	}
+	log.SetFormatter(&logrus.TextFormatter{FullTimestamp: true, TimestampFormat: time.RFC3339Nano, DisableColors: true})
+}
+
+// redactHook scrubs every configured secret from every log line, whatever field
+// or error text it hides in: a driver error that echoes a connection string must
+// not leak its password.
+type redactHook struct{ secrets []string }
+
+func (h redactHook) Levels() []logrus.Level { return logrus.AllLevels }
+
+func (h redactHook) Fire(e *logrus.Entry) error {
+	e.Message = h.redact(e.Message)
+	for k, v := range e.Data {
+		switch v := v.(type) {
+		case string:
+			e.Data[k] = h.redact(v)
+		case error:
+			e.Data[k] = h.redact(v.Error())
+		case fmt.Stringer:
+			e.Data[k] = h.redact(v.String())
+		}
+	}
+	return nil
+}
+
+func (h redactHook) redact(s string) string {
+	for _, secret := range h.secrets {
+		if secret != "" {
+			s = strings.ReplaceAll(s, secret, "[redacted]")
+		}
+	}
+	return s
+}
+
+// ---------------------------------------------------------------------------
+// Metrics
+
+// metrics holds every collector of the process on its own registry (no global
+// default registry: two in-process instances in a test must not collide).
+type metrics struct {
+	registry *prometheus.Registry
+
+	state            *prometheus.GaugeVec
+	stateChanges     *prometheus.CounterVec
+	phaseDuration    *prometheus.GaugeVec
+	startupDuration  prometheus.Gauge
+	shutdownStep     *prometheus.GaugeVec
+	shutdownForced   prometheus.Counter
+	httpInFlight     prometheus.Gauge
+	httpRequests     *prometheus.CounterVec
+	httpDuration     *prometheus.HistogramVec
+	readinessOK      *prometheus.GaugeVec
+	readinessProbes  *prometheus.CounterVec
+	panics           *prometheus.CounterVec
+	connectAttempts  *prometheus.CounterVec
+	heartbeatWritten *prometheus.CounterVec
+}
+
+func newMetrics() *metrics {
+	m := &metrics{
+		registry: prometheus.NewRegistry(),
+		state: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kumiko_lifecycle_state", Help: "1 for the current lifecycle state, 0 for the others.",
+		}, []string{"state"}),
+		stateChanges: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kumiko_lifecycle_state_changes_total", Help: "Lifecycle state transitions.",
+		}, []string{"from", "to"}),
+		phaseDuration: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kumiko_startup_phase_duration_seconds", Help: "How long each startup phase took in this process's boot.",
+		}, []string{"phase", "outcome"}),
+		startupDuration: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kumiko_startup_duration_seconds", Help: "From process start to ready.",
+		}),
+		shutdownStep: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kumiko_shutdown_step_duration_seconds", Help: "How long each shutdown step took.",
+		}, []string{"step"}),
+		shutdownForced: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kumiko_shutdown_forced_total", Help: "In-flight requests force-closed because the drain timeout ran out.",
+		}),
+		httpInFlight: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kumiko_http_requests_in_flight", Help: "API requests being served now.",
+		}),
+		httpRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kumiko_http_requests_total", Help: "API requests by route template and status code.",
+		}, []string{"route", "code"}),
+		httpDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kumiko_http_request_duration_seconds", Help: "API request latency by route template.",
+			Buckets: prometheus.DefBuckets,
+		}, []string{"route"}),
+		readinessOK: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kumiko_readiness_check_ok", Help: "1 when the readiness check passed at its last probe.",
+		}, []string{"check"}),
+		readinessProbes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kumiko_readiness_probes_total", Help: "Dependency probes actually run (cache misses), by check.",
+		}, []string{"check"}),
+		panics: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kumiko_panics_total", Help: "Recovered panics, by where they happened.",
+		}, []string{"component"}),
+		connectAttempts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kumiko_connect_attempts_total", Help: "Connection attempts of the connect phases, by target and result.",
+		}, []string{"target", "result"}),
+		heartbeatWritten: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kumiko_worker_heartbeats_total", Help: "Heartbeats written to Redis, by worker and result.",
+		}, []string{"worker", "result"}),
+	}
+	m.registry.MustRegister(
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		m.state, m.stateChanges, m.phaseDuration, m.startupDuration, m.shutdownStep, m.shutdownForced,
+		m.httpInFlight, m.httpRequests, m.httpDuration, m.readinessOK, m.readinessProbes, m.panics,
+		m.connectAttempts, m.heartbeatWritten,
+	)
+	return m
+}
+
+func (m *metrics) setState(s State) {
+	for i := range stateNames {
+		v := 0.0
+		if State(i) == s {
+			v = 1
+		}
+		m.state.WithLabelValues(stateNames[i]).Set(v)
+	}
+}
+
+func (m *metrics) stateChanged(from, to State) {
+	m.setState(to)
+	m.stateChanges.WithLabelValues(from.String(), to.String()).Inc()
+}
+
+func (m *metrics) phaseDone(rec phaseRecord) {
+	m.phaseDuration.WithLabelValues(rec.Phase, string(rec.Outcome)).Set(float64(rec.DurationMs) / 1000)
+}
+
+// ---------------------------------------------------------------------------
+// Traces
+
+// tracing is the tracer provider and how to flush it. provider is what the
+// readiness body shows: "otlp" or "noop".
+type tracing struct {
+	provider string
+	tracer   trace.Tracer
+	shutdown func(context.Context) error
+}
+
+func noopTracing() tracing {
+	return tracing{provider: "noop", tracer: noop.NewTracerProvider().Tracer("kumiko"), shutdown: func(context.Context) error { return nil }}
+}
+
+// setupTracing exports spans over OTLP/HTTP when an endpoint is configured
+// (OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT); the other
+// standard OTEL_* variables are read by the exporter itself. Without an endpoint
+// it is the noop provider: tracing must never be the reason a boot fails.
+func setupTracing(ctx context.Context, getenv func(string) string, instanceID, version string) (tracing, error) {
+	endpoint := getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+	if endpoint == "" && getenv("OTEL_EXPORTER_OTLP_ENDPOINT") != "" {
+		endpoint = strings.TrimSuffix(getenv("OTEL_EXPORTER_OTLP_ENDPOINT"), "/") + "/v1/traces"
+	}
+	if endpoint == "" {
+		return noopTracing(), nil
+	}
+	exporter, err := otlptracehttp.New(ctx, otlptracehttp.WithEndpointURL(endpoint))
+	if err != nil {
+		return noopTracing(), fmt.Errorf("creating the OTLP/HTTP exporter for %s: %w", endpoint, err)
+	}
+	res, err := resource.Merge(resource.Default(), resource.NewWithAttributes(semconv.SchemaURL,
+		semconv.ServiceName(serviceName), semconv.ServiceVersion(version), semconv.ServiceInstanceID(instanceID)))
+	if err != nil {
+		return noopTracing(), fmt.Errorf("building the trace resource: %w", err)
+	}
+	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exporter), sdktrace.WithResource(res))
+	return tracing{provider: "otlp", tracer: tp.Tracer("kumiko"), shutdown: tp.Shutdown}, nil
+}

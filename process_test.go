@@ -1,0 +1,239 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// testBinary is the service built once by TestMain, so process-level tests
+// send real signals to a real process and read its exit code.
+var testBinary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "kumiko-bin-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "temp dir:", err)
+		os.Exit(1)
+	}
+	testBinary = filepath.Join(dir, serviceName)
+	build := exec.Command("go", "build", "-o", testBinary, ".")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "building the service:", err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	stopTestServices()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// testMasterKey is a fixed, valid master key for tests (never a real secret).
+var testMasterKey = base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{7}, 32))
+
+// fastEnv is the environment of a service that boots against real Postgres and
+// Redis with every timing shrunk so a whole lifecycle takes milliseconds.
+func fastEnv(t *testing.T) map[string]string {
+	t.Helper()
+	return map[string]string{
+		"DATABASE_URL":                   testPostgres(t),
+		"REDIS_URL":                      testRedis(t).URL,
+		"KUMIKO_MASTER_KEY":              testMasterKey,
+		"KUMIKO_HTTP_ADDR":               "127.0.0.1:0",
+		"KUMIKO_OPS_ADDR":                "127.0.0.1:0",
+		"KUMIKO_LOG_FORMAT":              "json",
+		"KUMIKO_MIGRATIONS_MODE":         "auto-apply",
+		"KUMIKO_LINGER":                  "200ms",
+		"KUMIKO_DRAIN_TIMEOUT":           "5s",
+		"KUMIKO_SHUTDOWN_TIMEOUT":        "10s",
+		"KUMIKO_CONNECT_RETRY_BASE":      "50ms",
+		"KUMIKO_READINESS_CACHE_TTL":     "100ms",
+		"KUMIKO_READINESS_PROBE_TIMEOUT": "500ms",
+		"KUMIKO_INSTANCE_ID":             "test-" + strings.ReplaceAll(t.Name(), "/", "-"),
+	}
+}
+
+// proc is the service running as a child process.
+type proc struct {
+	t      *testing.T
+	cmd    *exec.Cmd
+	stderr bytes.Buffer
+	exited chan struct{}
+	code   int
+
+	mu    sync.Mutex
+	lines []map[string]any
+	grew  chan struct{} // closed and replaced whenever a log line arrives
+}
+
+func startProc(t *testing.T, env map[string]string, args ...string) *proc {
+	t.Helper()
+	cmd := exec.Command(testBinary, args...)
+	cmd.Dir = t.TempDir() // no kumiko.config.yaml there: the environment is the whole config
+	cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.Getenv("HOME")}
+	for k, v := range env {
+		cmd.Env = append(cmd.Env, k+"="+v)
+	}
+	p := &proc{t: t, cmd: cmd, exited: make(chan struct{}), grew: make(chan struct{})}
+	cmd.Stderr = &p.stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("starting the service: %v", err)
+	}
+	go p.readLogs(stdout)
+	t.Cleanup(func() {
+		p.cmd.Process.Kill()
+		<-p.exited
+		if t.Failed() {
+			t.Logf("service stdout:\n%s\nstderr:\n%s", p.logText(), p.stderr.String())
+		}
+	})
+	return p
+}
+
+func (p *proc) readLogs(r io.Reader) {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := map[string]any{}
+		if err := json.Unmarshal(sc.Bytes(), &line); err != nil {
+			line = map[string]any{"msg": "(not json)", "raw": sc.Text()}
+		}
+		p.mu.Lock()
+		p.lines = append(p.lines, line)
+		close(p.grew)
+		p.grew = make(chan struct{})
+		p.mu.Unlock()
+	}
+	err := p.cmd.Wait()
+	p.code = p.cmd.ProcessState.ExitCode()
+	if err != nil && p.code == 0 {
+		p.code = -1
+	}
+	close(p.exited)
+}
+
+// waitLog waits for the first log line that matches every key=value of want.
+func (p *proc) waitLog(timeout time.Duration, want map[string]any) map[string]any {
+	p.t.Helper()
+	deadline := time.After(timeout)
+	for seen := 0; ; {
+		p.mu.Lock()
+		lines, grew := p.lines, p.grew
+		p.mu.Unlock()
+		for ; seen < len(lines); seen++ {
+			if matches(lines[seen], want) {
+				return lines[seen]
+			}
+		}
+		select {
+		case <-grew:
+		case <-p.exited:
+			p.mu.Lock()
+			n := len(p.lines)
+			p.mu.Unlock()
+			if seen == n {
+				p.t.Fatalf("service exited (code %d) before logging %v", p.code, want)
+			}
+		case <-deadline:
+			p.t.Fatalf("no log line %v within %s", want, timeout)
+		}
+	}
+}
+
+// logsMatching returns every line so far that matches want.
+func (p *proc) logsMatching(want map[string]any) []map[string]any {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []map[string]any
+	for _, l := range p.lines {
+		if matches(l, want) {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+func matches(line, want map[string]any) bool {
+	for k, v := range want {
+		if fmt.Sprint(line[k]) != fmt.Sprint(v) {
+			return false
+		}
+	}
+	return true
+}
+
+func (p *proc) logText() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var b strings.Builder
+	for _, l := range p.lines {
+		j, _ := json.Marshal(l)
+		b.Write(j)
+		b.WriteByte('\n')
+	}
+	return b.String()
+}
+
+// addr is the address a listener ("ops" or "api") reported when it bound.
+func (p *proc) addr(component string) string {
+	p.t.Helper()
+	return "http://" + p.waitLog(10*time.Second, map[string]any{"msg": "listening", "component": component})["addr"].(string)
+}
+
+// waitReady waits for the state change to ready and returns the ops and API base URLs.
+func (p *proc) waitReady() (ops, api string) {
+	p.t.Helper()
+	p.waitLog(20*time.Second, map[string]any{"event": "state_changed", "to": "ready"})
+	return p.addr("ops"), p.addr("api")
+}
+
+func (p *proc) signal(sig os.Signal) {
+	p.t.Helper()
+	if err := p.cmd.Process.Signal(sig); err != nil {
+		p.t.Fatalf("sending %s: %v", sig, err)
+	}
+}
+
+// wait returns the exit code, failing the test if the process outlives timeout.
+func (p *proc) wait(timeout time.Duration) int {
+	p.t.Helper()
+	select {
+	case <-p.exited:
+		return p.code
+	case <-time.After(timeout):
+		p.t.Fatalf("service still running after %s", timeout)
+		return -1
+	}
+}
+
+// get fetches url and decodes a JSON body (if any) into a map.
+func get(t *testing.T, client *http.Client, url string) (int, http.Header, map[string]any, error) {
+	t.Helper()
+	resp, err := client.Get(url)
+	if err != nil {
+		return 0, nil, nil, err
+	}
+	defer resp.Body.Close()
+	body := map[string]any{}
+	raw, _ := io.ReadAll(resp.Body)
+	_ = json.Unmarshal(raw, &body)
+	return resp.StatusCode, resp.Header, body, nil
+}

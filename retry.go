@@ -1,0 +1,52 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/sirupsen/logrus"
+)
+
+// connectAttemptTimeout bounds one connection attempt, so a blackholed host
+// costs one attempt, not the whole retry window.
+const connectAttemptTimeout = 5 * time.Second
+
+// connectBackoff is the delay after the n-th failed attempt (n ≥ 1): base,
+// 2·base, 4·base, … capped at max — 1s, 2s, 4s, 8s, 16s, 30s, 30s… by default.
+func connectBackoff(base, max time.Duration, n int) time.Duration {
+	d := base
+	for i := 1; i < n && d < max; i++ {
+		d *= 2
+	}
+	return min(d, max)
+}
+
+// connectWithRetry calls connect until it succeeds or ctx ends. ctx is the
+// phase's window (KUMIKO_CONNECT_MAX_WAIT, cut short by the boot budget or a
+// shutdown request). Every failed attempt is logged with the delay before the
+// next, and the final error names the attempts and the last error.
+func (a *app) connectWithRetry(ctx context.Context, p *phaseRun, target string, connect func(context.Context) error) error {
+	start := time.Now()
+	log := a.log.WithFields(logrus.Fields{"component": "lifecycle", "phase": p.name, "target": target})
+	for attempt := 1; ; attempt++ {
+		actx, cancel := context.WithTimeout(ctx, connectAttemptTimeout)
+		err := connect(actx)
+		cancel()
+		if err == nil {
+			a.metrics.connectAttempts.WithLabelValues(target, "ok").Inc()
+			return nil
+		}
+		a.metrics.connectAttempts.WithLabelValues(target, "failed").Inc()
+
+		delay := connectBackoff(a.cfg.Lifecycle.ConnectRetryBase, a.cfg.Lifecycle.ConnectRetryMax, attempt)
+		log.WithFields(logrus.Fields{"attempt": attempt, "retry_in_ms": delay.Milliseconds()}).WithError(err).Warn("connect failed")
+		select {
+		case <-time.After(delay):
+			p.retries++
+		case <-ctx.Done():
+			return fmt.Errorf("gave up on %s after %d attempts in %s: last error: %w",
+				target, attempt, time.Since(start).Round(time.Millisecond), err)
+		}
+	}
+}

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs what the tests and the local demo need, when it is missing:
+# PostgreSQL and Redis servers (Debian packages), HAProxy for the demo's load
+# balancer, and versitygw, a real S3 server, for the storage tests.
+set -euo pipefail
+
+missing=()
+compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || command -v initdb >/dev/null || missing+=(postgresql)
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
+if ((${#missing[@]})); then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "missing: ${missing[*]} — install them (sudo apt-get install ${missing[*]}) and run again" >&2
+    exit 1
+  fi
+  echo "installing ${missing[*]}" >&2
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+gobin="$(go env GOPATH)/bin"
+if ! command -v versitygw >/dev/null && [ ! -x "$gobin/versitygw" ]; then
+  echo "installing versitygw (S3 server for the storage tests)" >&2
+  go install github.com/versity/versitygw/cmd/versitygw@v1.8.0
+fi

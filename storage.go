@@ -1,0 +1,56 @@
+package main
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/minio/minio-go/v7"
+	"github.com/minio/minio-go/v7/pkg/credentials"
+)
+
+// connectStorage is phase 12: the S3-compatible bucket, created when missing.
+// Like search it is optional: when it is down the boot goes on and the features
+// that write objects degrade; its readiness check never fails readiness.
+func (a *app) connectStorage(ctx context.Context, p *phaseRun) error {
+	s := a.cfg.Storage
+	if s.Endpoint == "" {
+		return skipPhase("S3_ENDPOINT is not set")
+	}
+	client, err := minio.New(s.Endpoint, &minio.Options{
+		Creds:  credentials.NewStaticV4(s.AccessKey, s.SecretKey, ""),
+		Secure: s.UseSSL,
+	})
+	if err != nil {
+		return fmt.Errorf("creating the S3 client for %s: %w", s.Endpoint, err)
+	}
+	a.storage = client
+	a.health.RegisterReadinessCheck("storage", false, func(ctx context.Context) checkResult {
+		return timedCheck(ctx, func(ctx context.Context) error { return bucketExists(ctx, client, s.Bucket) })
+	})
+	if err := ensureBucket(ctx, client, s.Bucket); err != nil {
+		return fmt.Errorf("S3 bucket %q at %s is unavailable, storage features degrade: %w", s.Bucket, s.Endpoint, err)
+	}
+	return nil
+}
+
+// ensureBucket creates the bucket unless it exists. Two instances booting at
+// once may both try: "already owned by you" means the other one won.
+func ensureBucket(ctx context.Context, client *minio.Client, bucket string) error {
+	exists, err := client.BucketExists(ctx, bucket)
+	if err != nil || exists {
+		return err
+	}
+	err = client.MakeBucket(ctx, bucket, minio.MakeBucketOptions{})
+	if code := minio.ToErrorResponse(err).Code; code == "BucketAlreadyOwnedByYou" || code == "BucketAlreadyExists" {
+		return nil
+	}
+	return err
+}
+
+func bucketExists(ctx context.Context, client *minio.Client, bucket string) error {
+	exists, err := client.BucketExists(ctx, bucket)
+	if err == nil && !exists {
+		err = fmt.Errorf("bucket %q does not exist", bucket)
+	}
+	return err
+}
