@@ -12,7 +12,6 @@ import (
 	"net"
 	"net/url"
 	"os"
-	"reflect"
 	"slices"
 	"strconv"
 	"strings"
@@ -36,7 +35,7 @@ type config struct {
 	OpsAddr       string // health, readiness and metrics listener
 	LogFormat     string // "text" or "json"
 	AdminToken    string // bearer token for the admin routes; empty turns them off
-	DatabaseURL   string // postgres:// URL or libpq "host=... dbname=..." string
+	DatabaseURL   string // postgres:// URL
 	RedisURL      string // redis://, rediss:// or unix:// URL
 	Search        searchConfig
 	Storage       storageConfig
@@ -141,7 +140,7 @@ func (c *config) settings() []configSetting {
 		{"ops.addr", "KUMIKO_OPS_ADDR", addrValue{p: &c.OpsAddr}},
 		{"log.format", "KUMIKO_LOG_FORMAT", choiceValue{p: &c.LogFormat, allowed: []string{"text", "json"}}},
 		{"admin.token", "KUMIKO_ADMIN_TOKEN", secretValue{p: &c.AdminToken, minLen: 16}},
-		{"database.url", "DATABASE_URL", urlValue{p: &c.DatabaseURL, schemes: []string{"postgres", "postgresql"}, keywords: true}},
+		{"database.url", "DATABASE_URL", urlValue{p: &c.DatabaseURL, schemes: []string{"postgres", "postgresql"}}},
 		{"redis.url", "REDIS_URL", urlValue{p: &c.RedisURL, schemes: []string{"redis", "rediss", "unix"}}},
 		{"search.url", "MEILI_URL", urlValue{p: &c.Search.URL, schemes: []string{"http", "https"}}},
 		{"search.apiKey", "MEILI_API_KEY", secretValue{p: &c.Search.APIKey}},
@@ -297,114 +296,17 @@ func (c config) secrets() []string {
 
 // The config file.
 
-// fileConfig is the shape of kumiko.config.yaml. Decoding it with KnownFields
-// turns misspelt keys into errors. Leaves are kept as text, so that the file
-// and the environment go through the same parser (see settings);
-// TestSettingsTable keeps the two in step.
-type fileConfig struct {
-	InstanceID fileValue `yaml:"instanceId"`
-	HTTP       struct {
-		Addr fileValue `yaml:"addr"`
-	} `yaml:"http"`
-	Ops struct {
-		Addr fileValue `yaml:"addr"`
-	} `yaml:"ops"`
-	Log struct {
-		Format fileValue `yaml:"format"`
-	} `yaml:"log"`
-	Admin struct {
-		Token fileValue `yaml:"token"`
-	} `yaml:"admin"`
-	Database struct {
-		URL fileValue `yaml:"url"`
-	} `yaml:"database"`
-	Redis struct {
-		URL fileValue `yaml:"url"`
-	} `yaml:"redis"`
-	Search struct {
-		URL    fileValue `yaml:"url"`
-		APIKey fileValue `yaml:"apiKey"`
-	} `yaml:"search"`
-	Storage struct {
-		Endpoint  fileValue `yaml:"endpoint"`
-		AccessKey fileValue `yaml:"accessKey"`
-		SecretKey fileValue `yaml:"secretKey"`
-		Bucket    fileValue `yaml:"bucket"`
-		UseSSL    fileValue `yaml:"useSSL"`
-	} `yaml:"storage"`
-	Secrets struct {
-		MasterKey     fileValue `yaml:"masterKey"`
-		MasterKeyFile fileValue `yaml:"masterKeyFile"`
-	} `yaml:"secrets"`
-	Lifecycle struct {
-		StartupTimeoutSec   fileValue `yaml:"startupTimeoutSec"`
-		ShutdownTimeoutSec  fileValue `yaml:"shutdownTimeoutSec"`
-		LingerSec           fileValue `yaml:"lingerSec"`
-		DrainTimeoutSec     fileValue `yaml:"drainTimeoutSec"`
-		PhaseTimeoutSec     fileValue `yaml:"phaseTimeoutSec"`
-		ConnectMaxWaitSec   fileValue `yaml:"connectMaxWaitSec"`
-		ConnectRetryBaseSec fileValue `yaml:"connectRetryBaseSec"`
-		ConnectRetryMaxSec  fileValue `yaml:"connectRetryMaxSec"`
-		Migrations          struct {
-			Mode           fileValue `yaml:"mode"`
-			SchemaBaseline fileValue `yaml:"schemaBaseline"`
-		} `yaml:"migrations"`
-		LeaderElection struct {
-			Enabled              fileValue `yaml:"enabled"`
-			LockTTLSec           fileValue `yaml:"lockTtlSec"`
-			HeartbeatIntervalSec fileValue `yaml:"heartbeatIntervalSec"`
-		} `yaml:"leaderElection"`
-		Heartbeat struct {
-			IntervalSec fileValue `yaml:"intervalSec"`
-			TTLSec      fileValue `yaml:"ttlSec"`
-		} `yaml:"heartbeat"`
-		Readiness struct {
-			ProbeTimeoutSec fileValue `yaml:"probeTimeoutSec"`
-			CacheTTLSec     fileValue `yaml:"cacheTtlSec"`
-		} `yaml:"readiness"`
-	} `yaml:"lifecycle"`
-}
-
 // fileValue is one value from the file as written (3, 0.5 and "250ms" alike),
 // with its line for error messages.
 type fileValue struct {
 	raw  string
 	line int
-	set  bool // false when the key is absent or null
 }
 
-func (v *fileValue) UnmarshalYAML(n *yaml.Node) error {
-	if n.Kind != yaml.ScalarNode {
-		// A *yaml.TypeError is collected with the others instead of stopping the decode.
-		return &yaml.TypeError{Errors: []string{fmt.Sprintf("line %d: expected a single value, not a list or mapping", n.Line)}}
-	}
-	*v = fileValue{raw: n.Value, line: n.Line, set: true}
-	return nil
-}
-
-// values returns the values the file sets, keyed by dotted path
-// ("lifecycle.lingerSec"), the names the settings table uses.
-func (f *fileConfig) values() map[string]fileValue {
-	values := make(map[string]fileValue)
-	var walk func(prefix string, v reflect.Value)
-	walk = func(prefix string, v reflect.Value) {
-		for i := range v.NumField() {
-			path := prefix + v.Type().Field(i).Tag.Get("yaml")
-			if leaf, ok := v.Field(i).Interface().(fileValue); ok {
-				if leaf.set {
-					values[path] = leaf
-				}
-			} else {
-				walk(path+".", v.Field(i))
-			}
-		}
-	}
-	walk("", reflect.ValueOf(*f))
-	return values
-}
-
-// readConfigFile reads and decodes the config file. It returns the file's name
-// for error messages, the values it sets, and every problem found in it.
+// readConfigFile reads the config file and returns its name for error
+// messages, the values it sets keyed by dotted path ("lifecycle.lingerSec"),
+// and every problem found in it. The settings table is the schema: a key it
+// does not name is an error, so a misspelt key never silently does nothing.
 func readConfigFile(getenv func(string) string, readFile func(string) ([]byte, error)) (string, map[string]fileValue, []error) {
 	name, explicit := getenv("KUMIKO_CONFIG"), true
 	if name == "" {
@@ -421,42 +323,53 @@ func readConfigFile(getenv func(string) string, readFile func(string) ([]byte, e
 		return name, nil, []error{err}
 	}
 
-	var f fileConfig
-	var problems []error
+	var doc yaml.Node
 	dec := yaml.NewDecoder(bytes.NewReader(data))
-	dec.KnownFields(true)
-	err = dec.Decode(&f)
-	if errors.Is(err, io.EOF) {
+	if err := dec.Decode(&doc); errors.Is(err, io.EOF) {
 		return name, nil, nil // an empty file sets nothing
+	} else if err != nil {
+		return name, nil, []error{fmt.Errorf("%s: %w", name, err)} // malformed YAML
 	}
-	if err != nil {
-		typeErr, ok := errors.AsType[*yaml.TypeError](err)
-		if !ok {
-			return name, nil, []error{fmt.Errorf("%s: %w", name, err)} // malformed YAML
-		}
-		// Unknown keys and misplaced values: the decoder carried on past
-		// them, so the rest of f is still usable.
-		for _, msg := range typeErr.Errors {
-			problems = append(problems, fmt.Errorf("%s: %s", name, withoutGoTypes(msg)))
-		}
-	}
+	var problems []error
 	if !errors.Is(dec.Decode(new(yaml.Node)), io.EOF) {
 		problems = append(problems, fmt.Errorf("%s: only one YAML document is allowed", name))
 	}
-	return name, f.values(), problems
-}
 
-// withoutGoTypes drops the Go type that yaml.v3 names in its messages
-// ("field x not found in type struct {...}"); it means nothing to whoever
-// edits the file.
-func withoutGoTypes(msg string) string {
-	if before, _, ok := strings.Cut(msg, " in type "); ok {
-		return before
+	leaves, sections := map[string]bool{}, map[string]bool{}
+	var c config
+	for _, s := range c.settings() {
+		leaves[s.yaml] = true
+		for path := s.yaml; strings.Contains(path, "."); {
+			path = path[:strings.LastIndex(path, ".")]
+			sections[path] = true
+		}
 	}
-	if i := strings.LastIndex(msg, " into "); i >= 0 {
-		return msg[:i] + ", expected a mapping" // only sections decode into Go structs
+	values := map[string]fileValue{}
+	var walk func(prefix string, n *yaml.Node)
+	walk = func(prefix string, n *yaml.Node) {
+		if n.Kind != yaml.MappingNode {
+			problems = append(problems, fmt.Errorf("%s: line %d: %sexpected a mapping of keys", name, n.Line, strings.TrimSuffix(prefix, ".")+" "))
+			return
+		}
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			key, val := n.Content[i], n.Content[i+1]
+			path := prefix + key.Value
+			switch {
+			case sections[path]:
+				walk(path+".", val)
+			case !leaves[path]:
+				problems = append(problems, fmt.Errorf("%s: line %d: unknown key %s", name, key.Line, path))
+			case val.Kind != yaml.ScalarNode:
+				problems = append(problems, fmt.Errorf("%s: line %d: %s: expected a single value, not a list or mapping", name, val.Line, path))
+			case val.Tag != "!!null":
+				values[path] = fileValue{raw: val.Value, line: val.Line}
+			}
+		}
 	}
-	return msg
+	if len(doc.Content) == 1 {
+		walk("", doc.Content[0])
+	}
+	return name, values, problems
 }
 
 // Setting values.
@@ -550,19 +463,14 @@ func (v secretValue) secrets() []string {
 // urlValue is a connection URL, which may embed a password. Errors never
 // quote the URL, since they end up in logs.
 type urlValue struct {
-	p        *string
-	schemes  []string
-	keywords bool // also accept a libpq "host=db dbname=app" string
+	p       *string
+	schemes []string
 }
 
 func (v urlValue) set(raw string) error {
 	*v.p = raw
 	if raw == "" {
 		return nil // optional here; validate insists on the required ones
-	}
-	if v.keywords && isKeywordDSN(raw) {
-		_, err := parseKeywordDSN(raw)
-		return err
 	}
 	u, err := url.Parse(raw)
 	if err != nil {
@@ -647,22 +555,10 @@ func parseDuration(s string) (time.Duration, error) {
 
 // Connection strings.
 
-// redactConnString returns a connection string that is safe to log.
+// redactConnString returns a connection URL that is safe to log.
 func redactConnString(s string) string {
 	if s == "" {
 		return ""
-	}
-	if isKeywordDSN(s) {
-		pairs, err := parseKeywordDSN(s)
-		if err != nil {
-			return redactedMark
-		}
-		for i := range pairs {
-			if pairs[i].key == "password" {
-				pairs[i].value = "xxxxx"
-			}
-		}
-		return formatKeywordDSN(pairs)
 	}
 	u, err := url.Parse(s)
 	if err != nil {
@@ -676,96 +572,18 @@ func redactConnString(s string) string {
 	return u.Redacted()
 }
 
-// connPasswords returns the passwords in a connection string.
+// connPasswords returns the passwords in a connection URL.
 func connPasswords(s string) []string {
-	var passwords []string
-	add := func(pw string) {
-		if pw != "" {
-			passwords = append(passwords, pw)
-		}
-	}
-	if isKeywordDSN(s) {
-		pairs, _ := parseKeywordDSN(s)
-		for _, p := range pairs {
-			if p.key == "password" {
-				add(p.value)
-			}
-		}
-		return passwords
-	}
 	u, err := url.Parse(s)
 	if err != nil {
 		return nil
 	}
-	pw, _ := u.User.Password()
-	add(pw)
-	add(u.Query().Get("password"))
+	var passwords []string
+	if pw, _ := u.User.Password(); pw != "" {
+		passwords = append(passwords, pw)
+	}
+	if pw := u.Query().Get("password"); pw != "" {
+		passwords = append(passwords, pw)
+	}
 	return passwords
-}
-
-// isKeywordDSN tells a libpq "host=db dbname=app" string from a URL.
-func isKeywordDSN(s string) bool {
-	return strings.Contains(s, "=") && !strings.Contains(s, "://")
-}
-
-type dsnPair struct{ key, value string }
-
-// parseKeywordDSN splits a libpq "host=db dbname='my app'" string into its
-// pairs. Errors never quote the string: it may hold a password.
-func parseKeywordDSN(s string) ([]dsnPair, error) {
-	var pairs []dsnPair
-	for s = strings.TrimSpace(s); s != ""; s = strings.TrimSpace(s) {
-		key, rest, ok := strings.Cut(s, "=")
-		key = strings.TrimSpace(key)
-		if !ok || key == "" || strings.ContainsAny(key, " \t\r\n") {
-			return nil, errors.New(`not a valid "key=value ..." connection string`)
-		}
-		value, rest, err := dsnValue(strings.TrimSpace(rest))
-		if err != nil {
-			return nil, err
-		}
-		pairs = append(pairs, dsnPair{key, value})
-		s = rest
-	}
-	return pairs, nil
-}
-
-// dsnValue reads one value, bare or 'quoted', where a backslash escapes the
-// next character, and returns what follows it.
-func dsnValue(s string) (value, rest string, err error) {
-	quoted := strings.HasPrefix(s, "'")
-	if quoted {
-		s = s[1:]
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		switch c := s[i]; {
-		case c == '\\' && i+1 < len(s):
-			i++
-			b.WriteByte(s[i])
-		case quoted && c == '\'':
-			return b.String(), s[i+1:], nil
-		case !quoted && strings.IndexByte(" \t\r\n", c) >= 0:
-			return b.String(), s[i:], nil
-		default:
-			b.WriteByte(c)
-		}
-	}
-	if quoted {
-		return "", "", errors.New("unterminated quoted value in connection string")
-	}
-	return b.String(), "", nil
-}
-
-func formatKeywordDSN(pairs []dsnPair) string {
-	escape := strings.NewReplacer(`\`, `\\`, `'`, `\'`)
-	parts := make([]string, len(pairs))
-	for i, p := range pairs {
-		v := p.value
-		if v == "" || strings.ContainsAny(v, " \t\r\n'\\") {
-			v = "'" + escape.Replace(v) + "'"
-		}
-		parts[i] = p.key + "=" + v
-	}
-	return strings.Join(parts, " ")
 }

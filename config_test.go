@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
 	"reflect"
 	"regexp"
 	"slices"
@@ -168,10 +169,6 @@ func TestLoadConfigSources(t *testing.T) {
 			get: func(c config) any { return c.InstanceID }, want: "blue-7",
 		},
 		{
-			name: "libpq keyword string", env: map[string]string{"DATABASE_URL": "host=db dbname=app user=app sslmode=disable"},
-			get: func(c config) any { return c.DatabaseURL }, want: "host=db dbname=app user=app sslmode=disable",
-		},
-		{
 			name: "redis over a unix socket", file: "redis:\n  url: unix:///run/redis.sock\n",
 			env: map[string]string{"REDIS_URL": ""},
 			get: func(c config) any { return c.RedisURL }, want: "unix:///run/redis.sock",
@@ -201,14 +198,14 @@ func TestLoadConfigProblems(t *testing.T) {
 		{
 			name: "unknown key names the key and line",
 			file: "http:\n  addr: \":8081\"\nlifecycle:\n  lingerSecs: 3\n",
-			want: []string{"kumiko.config.yaml: line 4: field lingerSecs not found"},
+			want: []string{"kumiko.config.yaml: line 4: unknown key lifecycle.lingerSecs"},
 		},
 		{
 			name: "three mistakes at once",
 			file: "lifecycle:\n  lingerSecs: 3\n",
 			env:  map[string]string{"KUMIKO_LINGER": "soon", "KUMIKO_MIGRATIONS_MODE": "yolo"},
 			want: []string{
-				"kumiko.config.yaml: line 2: field lingerSecs not found",
+				"kumiko.config.yaml: line 2: unknown key lifecycle.lingerSecs",
 				`KUMIKO_LINGER: time: invalid duration "soon"`,
 				`KUMIKO_MIGRATIONS_MODE: "yolo" is not one of exit-on-pending, auto-apply, warn-on-pending`,
 			},
@@ -233,12 +230,12 @@ func TestLoadConfigProblems(t *testing.T) {
 		{
 			name: "list where a value belongs",
 			file: "log:\n  format: [json]\n",
-			want: []string{"kumiko.config.yaml: line 2: expected a single value"},
+			want: []string{"kumiko.config.yaml: line 2: log.format: expected a single value"},
 		},
 		{
 			name: "value where a section belongs",
 			file: "lifecycle: 5\n",
-			want: []string{"kumiko.config.yaml: line 1: cannot unmarshal !!int `5`, expected a mapping"},
+			want: []string{"kumiko.config.yaml: line 1: lifecycle expected a mapping of keys"},
 		},
 		{
 			name: "malformed yaml",
@@ -273,12 +270,6 @@ func TestLoadConfigProblems(t *testing.T) {
 			name:    "unparsable URL, without leaking its password",
 			env:     map[string]string{"DATABASE_URL": "postgres://app:hunter2@db:port/app"},
 			want:    []string{`DATABASE_URL: not a valid URL: invalid port ":port" after host`},
-			notWant: []string{"hunter2"},
-		},
-		{
-			name:    "broken keyword string",
-			env:     map[string]string{"DATABASE_URL": "host=db password='hunter2"},
-			want:    []string{"DATABASE_URL: unterminated quoted value"},
 			notWant: []string{"hunter2"},
 		},
 		{
@@ -467,12 +458,6 @@ func TestSecretsAreMasked(t *testing.T) {
 			secrets: []string{"db-pass-9"},
 			fields:  map[string]any{"database.url": "postgresql:///app?host=%2Frun%2Fpg&password=xxxxx"},
 		},
-		{
-			name:    "keyword string with a quoted password",
-			env:     map[string]string{"DATABASE_URL": `host=db user=app password='db pass\'10' dbname=app`},
-			secrets: []string{"db pass'10"},
-			fields:  map[string]any{"database.url": "host=db user=app password=xxxxx dbname=app"},
-		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -520,9 +505,8 @@ func TestLogFieldsListsEverySetting(t *testing.T) {
 	}
 }
 
-// TestSettingsTable guards the table against drifting from the config and
-// file structs: each config field and each file key has exactly one setting,
-// and no name is used twice.
+// TestSettingsTable guards the table against drifting from the config struct:
+// each config field has exactly one setting, and no name is used twice.
 func TestSettingsTable(t *testing.T) {
 	var c config
 	settings := c.settings()
@@ -542,15 +526,6 @@ func TestSettingsTable(t *testing.T) {
 		t.Errorf("settings cover %d distinct config fields, config has %d", len(fieldPtrs), n)
 	}
 
-	fileKeys := fileKeyPaths("", reflect.TypeFor[fileConfig]())
-	for _, key := range fileKeys {
-		if !yamlPaths[key] {
-			t.Errorf("file key %s has no setting", key)
-		}
-	}
-	if len(fileKeys) != len(yamlPaths) {
-		t.Errorf("fileConfig has %d keys, settings have %d", len(fileKeys), len(yamlPaths))
-	}
 }
 
 func countStructLeaves(t reflect.Type) int {
@@ -562,19 +537,6 @@ func countStructLeaves(t reflect.Type) int {
 		n += countStructLeaves(f.Type)
 	}
 	return n
-}
-
-func fileKeyPaths(prefix string, t reflect.Type) []string {
-	var paths []string
-	for f := range t.Fields() {
-		path := prefix + f.Tag.Get("yaml")
-		if f.Type == reflect.TypeFor[fileValue]() {
-			paths = append(paths, path)
-		} else {
-			paths = append(paths, fileKeyPaths(path+".", f.Type)...)
-		}
-	}
-	return paths
 }
 
 func TestParseDuration(t *testing.T) {
@@ -603,5 +565,32 @@ func TestParseDuration(t *testing.T) {
 		if (err != nil) != tt.wantErr || got != tt.want {
 			t.Errorf("parseDuration(%q) = %v, %v; want %v, error %t", tt.in, got, err, tt.want, tt.wantErr)
 		}
+	}
+}
+
+// The example file documents every setting with its default: it must load,
+// name every key of the table, and change nothing.
+func TestExampleConfigFileIsCompleteAndDefault(t *testing.T) {
+	data, err := os.ReadFile("kumiko.config.example.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, values, problems := readConfigFile(func(string) string { return "" }, func(string) ([]byte, error) { return data, nil })
+	if len(problems) > 0 {
+		t.Fatalf("example file: %v", problems)
+	}
+	var c config
+	for _, s := range c.settings() {
+		if _, ok := values[s.yaml]; !ok {
+			t.Errorf("the example file lacks %s", s.yaml)
+		}
+	}
+	got, err := loadTestConfig(map[string]string{"KUMIKO_INSTANCE_ID": "x"}, string(data))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, _ := loadTestConfig(map[string]string{"KUMIKO_INSTANCE_ID": "x"}, "")
+	if got != want {
+		t.Errorf("the example file changes the defaults:\n got %+v\nwant %+v", got, want)
 	}
 }
