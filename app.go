@@ -144,12 +144,17 @@ func (a *app) listenAPI(ctx context.Context, p *phaseRun) error {
 
 // startOutboxPoller is phase 13.
 func (a *app) startOutboxPoller(ctx context.Context, p *phaseRun) error {
-	return skipPhase("the outbox poller is not part of this build yet")
+	const reason = "the outbox poller is not part of this build yet"
+	a.health.RegisterSkipped("outboxPoller", reason)
+	return skipPhase(reason)
 }
 
 // startJobsWorker is phase 14.
 func (a *app) startJobsWorker(ctx context.Context, p *phaseRun) error {
-	return skipPhase("the jobs worker is not part of this build yet")
+	const reason = "the jobs worker and scheduler are not part of this build yet"
+	a.health.RegisterSkipped("jobsWorker", reason)
+	a.health.RegisterSkipped("schedulerLeader", reason)
+	return skipPhase(reason)
 }
 
 // confirmReady is phase 16: one real probe of every gating check before the

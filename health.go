@@ -82,6 +82,14 @@ func (rd *readiness) RegisterReadinessCheck(name string, gates bool, probe func(
 	rd.lastAt = time.Time{} // the cached result lacks the new check
 }
 
+// RegisterSkipped shows a component that is not configured (or not part of
+// this build) in the body, with the reason, so an operator sees it is off on
+// purpose. It never fails readiness.
+func (rd *readiness) RegisterSkipped(name, reason string) {
+	result := okResult(map[string]any{"skipped": reason})
+	rd.RegisterReadinessCheck(name, false, func(context.Context) checkResult { return result })
+}
+
 // report builds the readiness body. Only a ready process probes its
 // dependencies; starting and draining answer at once from what they know.
 func (rd *readiness) report(ctx context.Context) (readinessReport, bool) {

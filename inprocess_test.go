@@ -206,8 +206,8 @@ func TestOptionalAdaptersUpAndDown(t *testing.T) {
 	})
 	t.Run("down", func(t *testing.T) {
 		env := fastEnv(t)
-		env["MEILI_URL"] = "http://" + closedAddr(t)
-		env["S3_ENDPOINT"], env["S3_ACCESS_KEY"], env["S3_SECRET_KEY"] = closedAddr(t), "key", "secret-key-123"
+		env["MEILI_URL"] = "http://" + freeTCPAddr(t)
+		env["S3_ENDPOINT"], env["S3_ACCESS_KEY"], env["S3_SECRET_KEY"] = freeTCPAddr(t), "key", "secret-key-123"
 		s := startInProcess(t, env)
 		for _, phase := range []string{"searchAdapter", "fileStorage"} {
 			if s.logs.find(map[string]any{"phase": phase, "outcome": "warn"}) == nil {

@@ -61,6 +61,13 @@ func TestProcessNormalBoot(t *testing.T) {
 		if _, ok := checks["db"].(map[string]any)["latencyMs"]; !ok {
 			t.Errorf("db check has no latencyMs: %v", checks["db"])
 		}
+		// Components that are off say so, with the reason, and do not fail readiness.
+		for _, name := range []string{"search", "storage", "outboxPoller", "jobsWorker", "schedulerLeader"} {
+			c, _ := checks[name].(map[string]any)
+			if c["ok"] != true || c["skipped"] == nil {
+				t.Errorf("check %s = %v, want ok with the reason it is skipped", name, c)
+			}
+		}
 		code, _, body, _ = get(t, http.DefaultClient, base+"/health")
 		if code != 200 || body["status"] != "alive" {
 			t.Errorf("%s/health = %d %v", base, code, body)
@@ -77,7 +84,7 @@ func TestProcessNormalBoot(t *testing.T) {
 // phase, the attempts and the last error.
 func TestProcessDBDownAtBoot(t *testing.T) {
 	env := fastEnv(t)
-	env["DATABASE_URL"] = "postgres://kumiko:s3cr3t-pw@" + closedAddr(t) + "/kumiko?sslmode=disable"
+	env["DATABASE_URL"] = "postgres://kumiko:s3cr3t-pw@" + freeTCPAddr(t) + "/kumiko?sslmode=disable"
 	env["KUMIKO_CONNECT_RETRY_BASE"] = "50ms"
 	env["KUMIKO_CONNECT_MAX_WAIT"] = "1s"
 	p := startProc(t, env)
@@ -325,7 +332,7 @@ func TestProcessOpsListenerServesThroughTheDrain(t *testing.T) {
 // SIGTERM while still starting aborts the boot cleanly: exit 0.
 func TestProcessSIGTERMDuringBoot(t *testing.T) {
 	env := fastEnv(t)
-	env["DATABASE_URL"] = "postgres://kumiko@" + closedAddr(t) + "/kumiko?sslmode=disable"
+	env["DATABASE_URL"] = "postgres://kumiko@" + freeTCPAddr(t) + "/kumiko?sslmode=disable"
 	env["KUMIKO_CONNECT_MAX_WAIT"] = "60s"
 	p := startProc(t, env)
 	ops := p.addr("ops")
@@ -343,37 +350,10 @@ func TestProcessSIGTERMDuringBoot(t *testing.T) {
 // waitInFlight waits until the API has a request in flight (read from /metrics).
 func waitInFlight(t *testing.T, ops string) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
-		resp, err := http.Get(ops + "/metrics")
-		if err == nil {
-			var b strings.Builder
-			buf := make([]byte, 1<<16)
-			for {
-				n, err := resp.Body.Read(buf)
-				b.Write(buf[:n])
-				if err != nil {
-					break
-				}
-			}
-			resp.Body.Close()
-			if strings.Contains(b.String(), "\nkumiko_http_requests_in_flight 1\n") {
-				return
-			}
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if n, err := scrapeMetric(ops, "kumiko_http_requests_in_flight"); err == nil && n == 1 {
+			return
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 	t.Fatal("no request in flight after 5s")
-}
-
-// closedAddr is a loopback address where nothing listens.
-func closedAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	return addr
 }

@@ -237,3 +237,24 @@ func get(t *testing.T, client *http.Client, url string) (int, http.Header, map[s
 	_ = json.Unmarshal(raw, &body)
 	return resp.StatusCode, resp.Header, body, nil
 }
+
+// scrapeMetric reads one sample ("name{labels}") from a /metrics endpoint; 0 when absent.
+func scrapeMetric(base, sample string) (float64, error) {
+	resp, err := http.Get(base + "/metrics")
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(raw), "\n") {
+		if rest, ok := strings.CutPrefix(line, sample+" "); ok {
+			var v float64
+			_, err := fmt.Sscan(rest, &v)
+			return v, err
+		}
+	}
+	return 0, nil
+}

@@ -13,6 +13,7 @@ import (
 // SQL). Its readiness check is shown but never fails readiness.
 func (a *app) connectSearch(ctx context.Context, p *phaseRun) error {
 	if a.cfg.Search.URL == "" {
+		a.health.RegisterSkipped("search", "MEILI_URL is not set")
 		return skipPhase("MEILI_URL is not set")
 	}
 	client := meilisearch.New(a.cfg.Search.URL, meilisearch.WithAPIKey(a.cfg.Search.APIKey))

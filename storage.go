@@ -14,6 +14,7 @@ import (
 func (a *app) connectStorage(ctx context.Context, p *phaseRun) error {
 	s := a.cfg.Storage
 	if s.Endpoint == "" {
+		a.health.RegisterSkipped("storage", "S3_ENDPOINT is not set")
 		return skipPhase("S3_ENDPOINT is not set")
 	}
 	client, err := minio.New(s.Endpoint, &minio.Options{

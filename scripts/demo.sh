@@ -22,12 +22,14 @@ as_pg() { if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; 
 
 pids=()
 cleanup() {
-  trap - EXIT INT TERM
+  # Ctrl+C reaches the whole process group: ignore the rest while cleaning up.
+  trap '' EXIT INT TERM
   echo; echo "stopping the demo"
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
   as_pg "$pgbin/pg_ctl" -D "$dir/pg" -m fast stop >/dev/null 2>&1 || true
   rm -rf "$dir"
+  exit 0
 }
 trap cleanup EXIT INT TERM
 
