@@ -4,9 +4,11 @@ import (
 	"crypto/subtle"
 	"errors"
 	"fmt"
+	stdlog "log"
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -66,7 +68,9 @@ func listenHTTP(name, addr string, h http.Handler, log *logrus.Logger, failed fu
 	}
 	s := &httpServer{
 		name: name,
-		srv:  &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second, ErrorLog: nil},
+		srv: &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second,
+			// net/http's own complaints (bad handshakes, header timeouts) join the structured log.
+			ErrorLog: stdlog.New(warnWriter{log.WithField("component", name)}, "", 0)},
 		addr: ln.Addr(),
 		done: make(chan struct{}),
 	}
@@ -78,6 +82,15 @@ func listenHTTP(name, addr string, h http.Handler, log *logrus.Logger, failed fu
 	}()
 	log.WithFields(logrus.Fields{"component": name, "addr": s.addr.String()}).Info("listening")
 	return s, nil
+}
+
+// warnWriter turns each line written to it into a structured warning,
+// synchronously (logrus's WriterLevel would start a goroutine nobody stops).
+type warnWriter struct{ log *logrus.Entry }
+
+func (w warnWriter) Write(p []byte) (int, error) {
+	w.log.Warn(strings.TrimSpace(string(p)))
+	return len(p), nil
 }
 
 // newEcho is the echo instance every listener uses: JSON errors, panics

@@ -91,9 +91,9 @@ func (h instanceHook) Fire(e *logrus.Entry) error {
 // (the noop provider takes over); an ops port that cannot be bound is not,
 // because an orchestrator without probes cannot manage the process.
 func (a *app) setupObservability(ctx context.Context, p *phaseRun) error {
-	t, err := setupTracing(ctx, a.getenv, a.cfg.InstanceID, version)
-	if err != nil {
-		p.warn(err.Error())
+	t, traceErr := setupTracing(ctx, a.getenv, a.cfg.InstanceID, version)
+	if traceErr != nil {
+		p.warn(traceErr.Error())
 	}
 	a.tracing = t
 	a.lc.traceWith(t.tracer)
@@ -101,8 +101,8 @@ func (a *app) setupObservability(ctx context.Context, p *phaseRun) error {
 	a.health = newReadiness(a.lc, a.metrics, a.cfg.Lifecycle.Readiness.ProbeTimeout, a.cfg.Lifecycle.Readiness.CacheTTL)
 	a.health.RegisterReadinessCheck("observability", false, func(context.Context) checkResult {
 		detail := map[string]any{"provider": t.provider}
-		if err != nil {
-			detail["error"] = err.Error()
+		if traceErr != nil {
+			detail["error"] = traceErr.Error()
 		}
 		return okResult(detail)
 	})

@@ -60,6 +60,9 @@ func (s *stopper) request(r stopRequest) (first bool) {
 	return true
 }
 
+// forceExit gives up on the drain (Ctrl+C twice).
+func (s *stopper) forceExit() { s.force.Do(func() { close(s.forced) }) }
+
 func (s *stopper) why() stopRequest {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -91,7 +94,7 @@ func (a *app) watchSignals(ctx context.Context) (stop func()) {
 				}
 				if !a.stop.request(stopRequest{reason: sig.String()}) {
 					log.WithField("signal", sig.String()).Warn("second signal while draining: exiting at once")
-					a.stop.force.Do(func() { close(a.stop.forced) })
+					a.stop.forceExit()
 				}
 			case <-ctxDone:
 				a.stop.request(stopRequest{reason: "context canceled"})
