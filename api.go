@@ -35,12 +35,18 @@ func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, adminT
 }
 
 // addAPIRoutes serves the features on the API listener (bound in phase 15).
-func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature) {
+// Requests are measured and counted in flight; streams are not, because the
+// drain ends them instead of waiting for them.
+func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature, m *metrics, inFlight *atomic.Int64) {
 	e.GET("/health", handleLive())
 	e.GET("/health/ready", handleReady(rd))
 	for _, f := range features {
 		for _, r := range f.routes {
-			e.Add(r.method, r.path, r.handler, admitWhenServing(lc))
+			chain := []echo.MiddlewareFunc{admitWhenServing(lc)}
+			if !r.streaming {
+				chain = append(chain, observeRequests(m), trackInFlight(inFlight, m))
+			}
+			e.Add(r.method, r.path, r.handler(), chain...)
 		}
 	}
 }
@@ -94,22 +100,26 @@ func (w warnWriter) Write(p []byte) (int, error) {
 }
 
 // newEcho is the echo instance every listener uses: JSON errors, panics
-// answered with a 500 for that request only. outer middleware wraps the panic
-// recovery, so it sees every request end, even one that panicked.
-func newEcho(log *logrus.Logger, m *metrics, component string, outer ...echo.MiddlewareFunc) *echo.Echo {
+// answered with a 500 for that request only.
+func newEcho(log *logrus.Logger, m *metrics, component string) *echo.Echo {
 	e := echo.New()
 	e.HideBanner, e.HidePort = true, true
 	e.HTTPErrorHandler = jsonErrorHandler(log.WithField("component", component))
-	e.Use(outer...)
-	e.Use(middleware.RecoverWithConfig(middleware.RecoverConfig{
+	e.Use(recoverPanics(log, m, component))
+	return e
+}
+
+// recoverPanics answers a panicking handler with a 500, logged with its stack
+// and counted; the process goes on serving.
+func recoverPanics(log *logrus.Logger, m *metrics, component string) echo.MiddlewareFunc {
+	return middleware.RecoverWithConfig(middleware.RecoverConfig{
 		DisableStackAll: true,
 		LogErrorFunc: func(c echo.Context, err error, stack []byte) error {
 			m.panics.WithLabelValues(component).Inc()
 			log.WithFields(logrus.Fields{"component": component, "route": c.Path(), "stack": string(stack)}).WithError(err).Error("handler panicked")
 			return echo.NewHTTPError(http.StatusInternalServerError, "internal error")
 		},
-	}))
-	return e
+	})
 }
 
 // ---------------------------------------------------------------------------

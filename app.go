@@ -45,6 +45,7 @@ type app struct {
 	heartbeats *heartbeats   // 10. redisConnect
 	search     meilisearch.ServiceManager
 	storage    *minio.Client
+	sse        *sseHub      // 15. apiListener
 	api        *httpServer  // 15. apiListener
 	inFlight   atomic.Int64 // API requests being served now
 }
@@ -129,11 +130,19 @@ func (a *app) validateBoot(ctx context.Context, p *phaseRun) error {
 	return validateFeatures(a.features)
 }
 
-// listenAPI is phase 15: the socket is bound here, so "address in use" ends
-// the boot at once instead of surfacing later in a goroutine.
+// listenAPI is phase 15: the event stream hub, then the socket, bound here so
+// that "address in use" ends the boot at once instead of surfacing later in a
+// goroutine.
 func (a *app) listenAPI(ctx context.Context, p *phaseRun) error {
-	e := newEcho(a.log, a.metrics, "api", trackInFlight(&a.inFlight, a.metrics), observeRequests(a.metrics))
-	addAPIRoutes(e, a.lc, a.health, a.features)
+	hub := newSSEHub(a.db, a.redis, a.cfg.SSE, a.cfg.Outbox.PollInterval, a.log, a.metrics, func(r any) { a.panicked("sse", r) })
+	if err := hub.Start(ctx); err != nil {
+		return err
+	}
+	a.sse = hub
+	a.lc.RegisterShutdownHook("sseHub", hub.Stop)
+
+	e := newEcho(a.log, a.metrics, "api")
+	addAPIRoutes(e, a.lc, a.health, a.features, a.metrics, &a.inFlight)
 	api, err := listenHTTP("api", a.cfg.HTTPAddr, e, a.log, a.serverFailed)
 	if err != nil {
 		return err
@@ -142,11 +151,17 @@ func (a *app) listenAPI(ctx context.Context, p *phaseRun) error {
 	return nil
 }
 
-// startOutboxPoller is phase 13.
+// startOutboxPoller is phase 13: three tries, because the framework's
+// guarantees need a working poller; then the boot ends.
 func (a *app) startOutboxPoller(ctx context.Context, p *phaseRun) error {
-	const reason = "the outbox poller is not part of this build yet"
-	a.health.RegisterSkipped("outboxPoller", reason)
-	return skipPhase(reason)
+	beat := a.heartbeats.RegisterHeartbeat("outbox", "outboxPoller")
+	poller := newOutboxPoller(a.db, a.redis, a.cfg.Outbox, beat, a.cfg.Lifecycle.Heartbeat.Interval, a.log, a.metrics,
+		func(r any) { a.panicked("outboxPoller", r) })
+	if err := a.retry(ctx, p, "outboxPoller", 3, poller.Start); err != nil {
+		return err
+	}
+	a.lc.RegisterShutdownHook("outboxPoller", poller.Stop)
+	return nil
 }
 
 // startJobsWorker is phase 14.
@@ -190,15 +205,19 @@ func (a *app) serverFailed(err error) {
 	a.stop.request(stopRequest{reason: "listener failed", failed: true})
 }
 
-// recoverToShutdown is deferred first in every background goroutine. A panic
-// there leaves the process in an unknown state: it is logged with its stack,
-// counted, and starts a graceful shutdown that ends in exit 1.
+// recoverToShutdown is deferred first in every background goroutine the app
+// starts itself; components take panicked as their onPanic.
 func (a *app) recoverToShutdown(component string) {
-	r := recover()
-	if r == nil {
-		return
+	if r := recover(); r != nil {
+		a.panicked(component, r)
 	}
+}
+
+// panicked handles a panic in a background goroutine. The process is in an
+// unknown state now: the panic is logged with its stack, counted, and starts a
+// graceful shutdown that ends in exit 1.
+func (a *app) panicked(component string, recovered any) {
 	a.metrics.panics.WithLabelValues(component).Inc()
-	a.log.WithFields(logrus.Fields{"component": component, "panic": fmt.Sprint(r), "stack": string(debug.Stack())}).Error("background goroutine panicked")
+	a.log.WithFields(logrus.Fields{"component": component, "panic": fmt.Sprint(recovered), "stack": string(debug.Stack())}).Error("background goroutine panicked")
 	a.stop.request(stopRequest{reason: "panic in " + component, failed: true})
 }

@@ -41,7 +41,23 @@ type config struct {
 	Storage       storageConfig
 	MasterKey     string // decoded and checked where it is used, not here
 	MasterKeyFile string // alternative to MasterKey, for mounted secrets
+	Outbox        outboxConfig
+	SSE           sseConfig
 	Lifecycle     lifecycleConfig
+}
+
+type outboxConfig struct {
+	BatchSize    uint          // events claimed and delivered per transaction
+	PollInterval time.Duration // fallback when no NOTIFY arrives
+	MaxAttempts  uint          // failed deliveries before an event is dead
+	RetryBase    time.Duration // first delay after a failed delivery; doubles
+	RetryMax     time.Duration // cap on that delay
+}
+
+type sseConfig struct {
+	MaxStreams uint          // open event streams per instance; beyond, 503
+	Heartbeat  time.Duration // comment lines that keep idle proxies from closing a stream
+	RetryHint  time.Duration // the retry: a client waits before reconnecting
 }
 
 type searchConfig struct {
@@ -101,6 +117,9 @@ func defaultConfig() config {
 		OpsAddr:   ":9090",
 		LogFormat: "text",
 		Storage:   storageConfig{Bucket: "kumiko-demo"},
+		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, MaxAttempts: 10,
+			RetryBase: time.Second, RetryMax: 5 * time.Minute},
+		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second},
 		Lifecycle: lifecycleConfig{
 			StartupTimeout:   120 * time.Second,
 			ShutdownTimeout:  40 * time.Second,
@@ -151,6 +170,14 @@ func (c *config) settings() []configSetting {
 		{"storage.useSSL", "S3_USE_SSL", boolValue{p: &c.Storage.UseSSL}},
 		{"secrets.masterKey", "KUMIKO_MASTER_KEY", secretValue{p: &c.MasterKey}},
 		{"secrets.masterKeyFile", "KUMIKO_MASTER_KEY_FILE", textValue{p: &c.MasterKeyFile}},
+		{"outbox.batchSize", "KUMIKO_OUTBOX_BATCH_SIZE", uintValue{p: &c.Outbox.BatchSize}},
+		{"outbox.pollIntervalSec", "KUMIKO_OUTBOX_POLL_INTERVAL", durationValue{p: &c.Outbox.PollInterval}},
+		{"outbox.maxAttempts", "KUMIKO_OUTBOX_MAX_ATTEMPTS", uintValue{p: &c.Outbox.MaxAttempts}},
+		{"outbox.retryBaseSec", "KUMIKO_OUTBOX_RETRY_BASE", durationValue{p: &c.Outbox.RetryBase}},
+		{"outbox.retryMaxSec", "KUMIKO_OUTBOX_RETRY_MAX", durationValue{p: &c.Outbox.RetryMax}},
+		{"sse.maxStreams", "KUMIKO_SSE_MAX_STREAMS", uintValue{p: &c.SSE.MaxStreams}},
+		{"sse.heartbeatSec", "KUMIKO_SSE_HEARTBEAT", durationValue{p: &c.SSE.Heartbeat}},
+		{"sse.retrySec", "KUMIKO_SSE_RETRY", durationValue{p: &c.SSE.RetryHint}},
 
 		{"lifecycle.startupTimeoutSec", "KUMIKO_STARTUP_TIMEOUT", durationValue{p: &l.StartupTimeout}},
 		{"lifecycle.shutdownTimeoutSec", "KUMIKO_SHUTDOWN_TIMEOUT", durationValue{p: &l.ShutdownTimeout}},
@@ -257,6 +284,10 @@ func (c *config) validate() []error {
 	check(!le.Enabled || le.RenewInterval < le.LockTTL,
 		"lifecycle.leaderElection.heartbeatIntervalSec (%s) must be less than lockTtlSec (%s), ideally at most half, "+
 			"or the leader loses the lock between renewals", le.RenewInterval, le.LockTTL)
+	check(c.Outbox.BatchSize >= 1 && c.Outbox.BatchSize <= 10000, "outbox.batchSize (%d) must be from 1 to 10000", c.Outbox.BatchSize)
+	check(c.Outbox.MaxAttempts >= 1, "outbox.maxAttempts must be at least 1")
+	check(c.Outbox.RetryBase <= c.Outbox.RetryMax, "outbox.retryBaseSec (%s) must not exceed retryMaxSec (%s)", c.Outbox.RetryBase, c.Outbox.RetryMax)
+	check(c.SSE.MaxStreams >= 1, "sse.maxStreams must be at least 1")
 	check(hb.Interval < hb.TTL,
 		"lifecycle.heartbeat.intervalSec (%s) must be less than ttlSec (%s), or the heartbeat expires between beats",
 		hb.Interval, hb.TTL)

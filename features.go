@@ -24,9 +24,13 @@ type feature struct {
 	requires      []setting
 }
 
+// route is one API route. Its handler is built in phase 15, once the
+// dependencies it takes exist. A streaming route (SSE) is not an in-flight
+// request for the drain: it is ended by drain step 4, not waited for.
 type route struct {
 	method, path string
-	handler      echo.HandlerFunc
+	handler      func() echo.HandlerFunc
+	streaming    bool
 }
 
 // subscription runs job whenever event is delivered from the outbox.
@@ -48,9 +52,28 @@ func (a *app) registerFeatures() []feature {
 			publishes: []string{eventStateChanged},
 		},
 		{
+			name:      "orders",
+			publishes: []string{eventOrderCreated},
+			routes: []route{
+				{method: http.MethodPost, path: "/api/orders", handler: func() echo.HandlerFunc {
+					return handleCreateOrder(a.db, a.redis, a.metrics, a.log.WithField("component", "orders"))
+				}},
+				{method: http.MethodGet, path: "/api/orders/:id", handler: func() echo.HandlerFunc { return handleGetOrder(a.db) }},
+				{method: http.MethodGet, path: "/api/orders", handler: func() echo.HandlerFunc { return handleListOrders(a.db) }},
+			},
+		},
+		{
+			name: "events",
+			routes: []route{
+				{method: http.MethodGet, path: "/api/events", streaming: true, handler: func() echo.HandlerFunc {
+					return handleEvents(a.sse, a.db, a.cfg.SSE, a.cfg.InstanceID)
+				}},
+			},
+		},
+		{
 			name: "drainDemo",
 			routes: []route{
-				{http.MethodGet, "/api/slow", handleSlow(maxSlowRequest)},
+				{method: http.MethodGet, path: "/api/slow", handler: func() echo.HandlerFunc { return handleSlow(maxSlowRequest) }},
 			},
 		},
 	}

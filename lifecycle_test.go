@@ -113,7 +113,7 @@ func TestBootBudgetEndsEvenAWarnPhase(t *testing.T) {
 func TestConnectBackoffSequence(t *testing.T) {
 	var got []time.Duration
 	for n := 1; n <= 8; n++ {
-		got = append(got, connectBackoff(time.Second, 30*time.Second, n))
+		got = append(got, backoffDelay(time.Second, 30*time.Second, n))
 	}
 	want := []time.Duration{1, 2, 4, 8, 16, 30, 30, 30}
 	for i := range want {

@@ -91,6 +91,14 @@ type metrics struct {
 	panics           *prometheus.CounterVec
 	connectAttempts  *prometheus.CounterVec
 	heartbeatWritten *prometheus.CounterVec
+	outboxPending    prometheus.Gauge
+	outboxDelivered  prometheus.Counter
+	outboxFailed     prometheus.Counter
+	outboxDead       prometheus.Counter
+	outboxLatency    prometheus.Histogram
+	sseStreams       prometheus.Gauge
+	sseDropped       prometheus.Counter
+	ordersCreated    *prometheus.CounterVec
 }
 
 func newMetrics() *metrics {
@@ -139,6 +147,31 @@ func newMetrics() *metrics {
 		heartbeatWritten: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kumiko_worker_heartbeats_total", Help: "Heartbeats written to Redis, by worker and result.",
 		}, []string{"worker", "result"}),
+		outboxPending: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kumiko_outbox_pending", Help: "Outbox events neither delivered nor dead.",
+		}),
+		outboxDelivered: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kumiko_outbox_delivered_total", Help: "Outbox events delivered by this instance.",
+		}),
+		outboxFailed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kumiko_outbox_failed_total", Help: "Outbox delivery attempts that failed (retried later).",
+		}),
+		outboxDead: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kumiko_outbox_dead_total", Help: "Outbox events given up after the maximum attempts.",
+		}),
+		outboxLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kumiko_outbox_delivery_latency_seconds", Help: "From writing an event to its delivery.",
+			Buckets: []float64{.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 5, 30},
+		}),
+		sseStreams: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kumiko_sse_streams", Help: "Open event streams on this instance.",
+		}),
+		sseDropped: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kumiko_sse_slow_streams_closed_total", Help: "Event streams closed because the client fell too far behind.",
+		}),
+		ordersCreated: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kumiko_orders_total", Help: "POST /api/orders outcomes: created, replayed, conflict.",
+		}, []string{"result"}),
 	}
 	m.registry.MustRegister(
 		collectors.NewGoCollector(),
@@ -146,6 +179,8 @@ func newMetrics() *metrics {
 		m.state, m.stateChanges, m.phaseDuration, m.startupDuration, m.shutdownStep, m.shutdownForced,
 		m.httpInFlight, m.httpRequests, m.httpDuration, m.readinessOK, m.readinessProbes, m.panics,
 		m.connectAttempts, m.heartbeatWritten,
+		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxLatency,
+		m.sseStreams, m.sseDropped, m.ordersCreated,
 	)
 	return m
 }

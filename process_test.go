@@ -62,6 +62,8 @@ func fastEnv(t *testing.T) map[string]string {
 		"KUMIKO_CONNECT_RETRY_BASE":      "50ms",
 		"KUMIKO_READINESS_CACHE_TTL":     "100ms",
 		"KUMIKO_READINESS_PROBE_TIMEOUT": "500ms",
+		"KUMIKO_OUTBOX_POLL_INTERVAL":    "100ms",
+		"KUMIKO_OUTBOX_RETRY_BASE":       "50ms",
 		"KUMIKO_INSTANCE_ID":             "test-" + strings.ReplaceAll(t.Name(), "/", "-"),
 	}
 }

@@ -14,6 +14,9 @@ func (a *app) connectRedis(ctx context.Context, p *phaseRun) error {
 		return fmt.Errorf("parsing REDIS_URL: %w", err)
 	}
 	opts.ClientName = serviceName + "/" + a.cfg.InstanceID
+	// Let a cancelled context interrupt a command stuck on the socket: a hard
+	// stop must not wait for Redis's read timeout.
+	opts.ContextTimeoutEnabled = true
 	client := redis.NewClient(opts)
 	ping := func(ctx context.Context) error { return client.Ping(ctx).Err() }
 	if err := a.connectWithRetry(ctx, p, "redis", ping); err != nil {

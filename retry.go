@@ -8,13 +8,14 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-// connectAttemptTimeout bounds one connection attempt, so a blackholed host
-// costs one attempt, not the whole retry window.
+// connectAttemptTimeout bounds one attempt, so a blackholed host costs one
+// attempt, not the whole retry window.
 const connectAttemptTimeout = 5 * time.Second
 
-// connectBackoff is the delay after the n-th failed attempt (n ≥ 1): base,
-// 2·base, 4·base, … capped at max — 1s, 2s, 4s, 8s, 16s, 30s, 30s… by default.
-func connectBackoff(base, max time.Duration, n int) time.Duration {
+// backoffDelay is the delay after the n-th failed attempt (n ≥ 1): base,
+// 2·base, 4·base, … capped at max — for the connect phases 1s, 2s, 4s, 8s,
+// 16s, 30s, 30s… by default; the outbox uses it for failed deliveries.
+func backoffDelay(base, max time.Duration, n int) time.Duration {
 	d := base
 	for i := 1; i < n && d < max; i++ {
 		d *= 2
@@ -24,22 +25,33 @@ func connectBackoff(base, max time.Duration, n int) time.Duration {
 
 // connectWithRetry calls connect until it succeeds or ctx ends. ctx is the
 // phase's window (KUMIKO_CONNECT_MAX_WAIT, cut short by the boot budget or a
-// shutdown request). Every failed attempt is logged with the delay before the
-// next, and the final error names the attempts and the last error.
+// shutdown request).
 func (a *app) connectWithRetry(ctx context.Context, p *phaseRun, target string, connect func(context.Context) error) error {
+	return a.retry(ctx, p, target, 0, connect)
+}
+
+// retry calls fn until it succeeds, ctx ends, or maxAttempts (0: no limit)
+// have failed, backing off between attempts. Every failed attempt is logged
+// with the delay before the next, and the final error names the attempts and
+// the last error.
+func (a *app) retry(ctx context.Context, p *phaseRun, target string, maxAttempts int, fn func(context.Context) error) error {
 	start := time.Now()
 	log := a.log.WithFields(logrus.Fields{"component": "lifecycle", "phase": p.name, "target": target})
 	for attempt := 1; ; attempt++ {
 		actx, cancel := context.WithTimeout(ctx, connectAttemptTimeout)
-		err := connect(actx)
+		err := fn(actx)
 		cancel()
 		if err == nil {
 			a.metrics.connectAttempts.WithLabelValues(target, "ok").Inc()
 			return nil
 		}
 		a.metrics.connectAttempts.WithLabelValues(target, "failed").Inc()
+		if attempt == maxAttempts {
+			return fmt.Errorf("gave up on %s after %d attempts in %s: last error: %w",
+				target, attempt, time.Since(start).Round(time.Millisecond), err)
+		}
 
-		delay := connectBackoff(a.cfg.Lifecycle.ConnectRetryBase, a.cfg.Lifecycle.ConnectRetryMax, attempt)
+		delay := backoffDelay(a.cfg.Lifecycle.ConnectRetryBase, a.cfg.Lifecycle.ConnectRetryMax, attempt)
 		log.WithFields(logrus.Fields{"attempt": attempt, "retry_in_ms": delay.Milliseconds()}).WithError(err).Warn("connect failed")
 		select {
 		case <-time.After(delay):

@@ -197,8 +197,15 @@ func (a *app) drain(ctx context.Context, reason string) error {
 			return nil
 		})
 
-		// 4. (SSE streams end here once the event stream exists: http.Server
-		//    never ends a streaming response by itself.)
+		// 4. End the event streams with `event: shutdown` and a retry hint.
+		//    http.Server.Shutdown never ends a streaming response by itself,
+		//    and streams are not in-flight requests: the drain would otherwise
+		//    always run into its timeout.
+		a.step(ctx, "sseClose", func(ctx context.Context) error {
+			n, err := a.sse.closeStreams(ctx)
+			a.log.WithFields(logrus.Fields{"component": "sse", "streams": n}).Info("event streams closed")
+			return err
+		})
 
 		// 5. Wait for in-flight requests up to KUMIKO_DRAIN_TIMEOUT, then
 		//    force-close what is left, with a warning and a metric.

@@ -870,3 +870,25 @@ func findVersitygw() (string, error) {
 		install: "go install github.com/versity/versitygw/cmd/versitygw@v1.8.0",
 	}
 }
+
+// Pause freezes the server (SIGSTOP): connections stay open but nothing is
+// answered, like a Redis stuck behind a network partition. Resume undoes it.
+func (s *testRedisServer) Pause() { s.signal(syscall.SIGSTOP) }
+
+// Resume continues a paused server (SIGCONT).
+func (s *testRedisServer) Resume() { s.signal(syscall.SIGCONT) }
+
+func (s *testRedisServer) signal(sig syscall.Signal) {
+	s.t.Helper()
+	if s.bin == "" {
+		s.t.Skip("test services: TEST_REDIS_URL is an external server and cannot be signalled")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.proc == nil {
+		s.t.Fatalf("test services: redis on %s is not running", s.Addr)
+	}
+	if err := s.proc.cmd.Process.Signal(sig); err != nil {
+		s.t.Fatalf("test services: signalling redis: %v", err)
+	}
+}

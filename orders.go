@@ -1,0 +1,320 @@
+package main
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/labstack/echo/v4"
+	"github.com/redis/go-redis/v9"
+	"github.com/sirupsen/logrus"
+)
+
+const (
+	eventOrderCreated = "order.created"
+
+	maxOrderBody      = 64 << 10 // bytes; 100 items fit many times over
+	maxItems          = 100
+	maxQty            = 1_000_000
+	maxPriceCents     = 100_000_000
+	maxIdempotencyKey = 255
+	// idempotencyMarkerTTL bounds how long a crashed request can block its key:
+	// after it the marker is gone and the unique column decides.
+	idempotencyMarkerTTL = 5 * time.Minute
+)
+
+// order is an order as stored and as answered.
+type order struct {
+	ID         int64       `json:"id"`
+	Customer   string      `json:"customer"`
+	Items      []orderItem `json:"items"`
+	TotalCents int64       `json:"totalCents"`
+	CreatedAt  time.Time   `json:"createdAt"`
+}
+
+type orderItem struct {
+	SKU        string `json:"sku"`
+	Qty        int64  `json:"qty"`
+	PriceCents int64  `json:"priceCents"`
+}
+
+// newOrder is the body of POST /api/orders.
+type newOrder struct {
+	Customer string      `json:"customer"`
+	Items    []orderItem `json:"items"`
+}
+
+// validate lists every problem of the body at once.
+func (o newOrder) validate() []string {
+	var problems []string
+	if n := utf8.RuneCountInString(strings.TrimSpace(o.Customer)); n < 1 || n > 200 {
+		problems = append(problems, "customer: must be 1 to 200 characters")
+	}
+	if len(o.Items) < 1 || len(o.Items) > maxItems {
+		problems = append(problems, fmt.Sprintf("items: must hold 1 to %d items", maxItems))
+	}
+	for i, it := range o.Items {
+		if n := utf8.RuneCountInString(it.SKU); n < 1 || n > 64 {
+			problems = append(problems, fmt.Sprintf("items[%d].sku: must be 1 to 64 characters", i))
+		}
+		if it.Qty < 1 || it.Qty > maxQty {
+			problems = append(problems, fmt.Sprintf("items[%d].qty: must be from 1 to %d", i, maxQty))
+		}
+		if it.PriceCents < 0 || it.PriceCents > maxPriceCents {
+			problems = append(problems, fmt.Sprintf("items[%d].priceCents: must be from 0 to %d", i, maxPriceCents))
+		}
+	}
+	return problems
+}
+
+func (o newOrder) total() int64 {
+	var total int64
+	for _, it := range o.Items {
+		total += it.Qty * it.PriceCents // bounded by validate: at most 10^16
+	}
+	return total
+}
+
+// fingerprint identifies the request behind an Idempotency-Key, so the same
+// key sent with a different body is refused rather than answered with the
+// first order.
+func (o newOrder) fingerprint() string {
+	canonical, _ := json.Marshal(o) // a struct of strings and ints always encodes
+	sum := sha256.Sum256(canonical)
+	return hex.EncodeToString(sum[:])
+}
+
+// decodeOrder reads a JSON body strictly: the media type, the size limit,
+// unknown fields, trailing data and every field's rules.
+func decodeOrder(c echo.Context) (newOrder, error) {
+	var o newOrder
+	if mt, _, err := mime.ParseMediaType(c.Request().Header.Get(echo.HeaderContentType)); err != nil || mt != echo.MIMEApplicationJSON {
+		return o, apiError(http.StatusUnsupportedMediaType, "unsupported_media_type", "send the order as application/json")
+	}
+	body := http.MaxBytesReader(c.Response(), c.Request().Body, maxOrderBody)
+	dec := json.NewDecoder(body)
+	dec.DisallowUnknownFields()
+	err := dec.Decode(&o)
+	if err == nil && dec.More() {
+		err = errors.New("unexpected data after the JSON object")
+	}
+	if err == nil {
+		_, err = io.Copy(io.Discard, body) // reach the size limit check on trailing whitespace too
+	}
+	var tooBig *http.MaxBytesError
+	switch {
+	case errors.As(err, &tooBig):
+		return o, apiError(http.StatusRequestEntityTooLarge, "payload_too_large", fmt.Sprintf("the body must be at most %d bytes", maxOrderBody))
+	case err != nil:
+		return o, apiError(http.StatusBadRequest, "invalid_json", strings.TrimPrefix(err.Error(), "json: "))
+	}
+	if problems := o.validate(); len(problems) > 0 {
+		return o, apiError(http.StatusUnprocessableEntity, "validation_failed", strings.Join(problems, "; "))
+	}
+	o.Customer = strings.TrimSpace(o.Customer)
+	return o, nil
+}
+
+// handleCreateOrder is POST /api/orders. The order row and its order.created
+// event are written in one transaction. With an Idempotency-Key, the unique
+// column is the truth (it survives a crash that loses the Redis marker); the
+// marker turns a concurrent duplicate into a 409 instead of a race.
+func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, m *metrics, log *logrus.Entry) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		req, err := decodeOrder(c)
+		if err != nil {
+			return err
+		}
+		ctx := c.Request().Context()
+		key := c.Request().Header.Get("Idempotency-Key")
+		if key == "" {
+			o, err := createOrder(ctx, db, req, "", "")
+			if err != nil {
+				return err
+			}
+			m.ordersCreated.WithLabelValues("created").Inc()
+			return c.JSON(http.StatusCreated, o)
+		}
+		if len(key) > maxIdempotencyKey || !printableASCII(key) {
+			return apiError(http.StatusBadRequest, "invalid_idempotency_key", fmt.Sprintf("Idempotency-Key must be 1 to %d printable ASCII characters", maxIdempotencyKey))
+		}
+		hash := req.fingerprint()
+
+		// Done before? Answer exactly as the first time.
+		if o, err := orderByKey(ctx, db, key, hash); err == nil {
+			return replay(c, m, o)
+		} else if !errors.Is(err, pgx.ErrNoRows) {
+			return err
+		}
+
+		// In flight right now?
+		marker := "idempotency:" + key
+		acquired, err := rdb.SetNX(ctx, marker, "in-flight", idempotencyMarkerTTL).Result()
+		switch {
+		case err != nil:
+			// Without Redis the unique column still prevents a second order;
+			// a concurrent duplicate is then answered with the first order.
+			log.WithError(err).Warn("idempotency marker unavailable, relying on the unique key")
+		case !acquired:
+			if o, err := orderByKey(ctx, db, key, hash); err == nil {
+				return replay(c, m, o) // it finished in the meantime
+			}
+			m.ordersCreated.WithLabelValues("conflict").Inc()
+			return apiError(http.StatusConflict, "request_in_progress", "a request with this Idempotency-Key is still in progress; retry later")
+		default:
+			defer rdb.Del(context.WithoutCancel(ctx), marker)
+		}
+
+		o, err := createOrder(ctx, db, req, key, hash)
+		if isUniqueViolation(err) {
+			o, err = orderByKey(ctx, db, key, hash)
+			if err == nil {
+				return replay(c, m, o)
+			}
+		}
+		if err != nil {
+			return err
+		}
+		m.ordersCreated.WithLabelValues("created").Inc()
+		return c.JSON(http.StatusCreated, o)
+	}
+}
+
+func replay(c echo.Context, m *metrics, o order) error {
+	m.ordersCreated.WithLabelValues("replayed").Inc()
+	c.Response().Header().Set("Idempotent-Replayed", "true")
+	return c.JSON(http.StatusCreated, o)
+}
+
+// errKeyReused is answered when an Idempotency-Key comes back with another body.
+var errKeyReused = apiError(http.StatusUnprocessableEntity, "idempotency_key_reused",
+	"this Idempotency-Key was used for a different request")
+
+// createOrder writes the order and its order.created event in one transaction.
+func createOrder(ctx context.Context, db *pgxpool.Pool, req newOrder, key, hash string) (order, error) {
+	o := order{Customer: req.Customer, Items: req.Items, TotalCents: req.total()}
+	items, _ := json.Marshal(req.Items)
+	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		err := tx.QueryRow(ctx, `INSERT INTO orders (customer, items, total_cents, idempotency_key, request_hash)
+			VALUES ($1, $2, $3, NULLIF($4, ''), NULLIF($5, '')) RETURNING id, created_at`,
+			o.Customer, items, o.TotalCents, key, hash).Scan(&o.ID, &o.CreatedAt)
+		if err != nil {
+			return err
+		}
+		o.CreatedAt = o.CreatedAt.UTC()
+		_, err = writeOutboxEvent(ctx, tx, "order", strconv.FormatInt(o.ID, 10), eventOrderCreated, o)
+		return err
+	})
+	if err != nil && !isUniqueViolation(err) {
+		return order{}, fmt.Errorf("creating the order: %w", err)
+	}
+	return o, err
+}
+
+// orderByKey finds the order an Idempotency-Key created; a different request
+// fingerprint is errKeyReused.
+func orderByKey(ctx context.Context, db *pgxpool.Pool, key, hash string) (order, error) {
+	var storedHash string
+	o, err := scanOrder(db.QueryRow(ctx, `SELECT id, customer, items, total_cents, created_at, coalesce(request_hash, '')
+		FROM orders WHERE idempotency_key = $1`, key), &storedHash)
+	if err != nil {
+		return order{}, err
+	}
+	if storedHash != hash {
+		return order{}, errKeyReused
+	}
+	return o, nil
+}
+
+func scanOrder(row pgx.Row, extra ...any) (order, error) {
+	var o order
+	var items []byte
+	if err := row.Scan(append([]any{&o.ID, &o.Customer, &items, &o.TotalCents, &o.CreatedAt}, extra...)...); err != nil {
+		return order{}, err
+	}
+	o.CreatedAt = o.CreatedAt.UTC()
+	if err := json.Unmarshal(items, &o.Items); err != nil {
+		return order{}, fmt.Errorf("decoding the items of order %d: %w", o.ID, err)
+	}
+	return o, nil
+}
+
+// handleGetOrder is GET /api/orders/:id.
+func handleGetOrder(db *pgxpool.Pool) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		id, err := strconv.ParseInt(c.Param("id"), 10, 64)
+		if err != nil || id < 1 {
+			return apiError(http.StatusBadRequest, "invalid_id", "the order id must be a positive integer")
+		}
+		o, err := scanOrder(db.QueryRow(c.Request().Context(),
+			`SELECT id, customer, items, total_cents, created_at FROM orders WHERE id = $1`, id))
+		if errors.Is(err, pgx.ErrNoRows) {
+			return apiError(http.StatusNotFound, "not_found", fmt.Sprintf("no order %d", id))
+		}
+		if err != nil {
+			return err
+		}
+		return c.JSON(http.StatusOK, o)
+	}
+}
+
+// handleListOrders is GET /api/orders?q=: the newest 50 orders whose customer
+// contains q (all of them without q), from SQL. Meilisearch takes over this
+// query once the order index job exists; until then SQL is the only source,
+// which is also the fallback when search is down.
+func handleListOrders(db *pgxpool.Pool) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		q := c.QueryParam("q")
+		if utf8.RuneCountInString(q) > 200 {
+			return apiError(http.StatusBadRequest, "invalid_query", "q must be at most 200 characters")
+		}
+		rows, err := db.Query(c.Request().Context(), `SELECT id, customer, items, total_cents, created_at FROM orders
+			WHERE $1 = '' OR strpos(lower(customer), lower($1)) > 0
+			ORDER BY id DESC LIMIT 50`, q)
+		if err != nil {
+			return fmt.Errorf("listing orders: %w", err)
+		}
+		defer rows.Close()
+		orders := []order{}
+		for rows.Next() {
+			o, err := scanOrder(rows)
+			if err != nil {
+				return err
+			}
+			orders = append(orders, o)
+		}
+		if err := rows.Err(); err != nil {
+			return fmt.Errorf("listing orders: %w", err)
+		}
+		c.Response().Header().Set("X-Search-Source", "sql")
+		return c.JSON(http.StatusOK, map[string]any{"orders": orders})
+	}
+}
+
+func isUniqueViolation(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UniqueViolation
+}
+
+func printableASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x20 || s[i] > 0x7e {
+			return false
+		}
+	}
+	return s != ""
+}

@@ -1,0 +1,210 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+)
+
+const validOrder = `{"customer":"Ada","items":[{"sku":"tea","qty":2,"priceCents":250},{"sku":"cake","qty":1,"priceCents":400}]}`
+
+// post sends a JSON body to the API and decodes the answer.
+func post(t *testing.T, url, body string, header map[string]string) (int, http.Header, map[string]any) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, url, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	for k, v := range header {
+		req.Header.Set(k, v)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("POST %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	raw, _ := io.ReadAll(resp.Body)
+	out := map[string]any{}
+	_ = json.Unmarshal(raw, &out)
+	return resp.StatusCode, resp.Header, out
+}
+
+func apiURL(s *inProcess) string { return "http://" + s.app.api.addr.String() }
+
+func countRows(t *testing.T, s *inProcess, table string) int {
+	t.Helper()
+	var n int
+	if err := s.app.db.QueryRow(context.Background(), "SELECT count(*) FROM "+table).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func TestOrderCreateGetAndList(t *testing.T) {
+	s := startInProcess(t, fastEnv(t))
+	api := apiURL(s)
+	code, _, created := post(t, api+"/api/orders", validOrder, nil)
+	if code != 201 || created["totalCents"] != 900.0 || created["id"] == nil {
+		t.Fatalf("POST = %d %v", code, created)
+	}
+	id := int64(created["id"].(float64))
+
+	code, _, got, _ := get(t, http.DefaultClient, api+"/api/orders/"+itoa(id))
+	if code != 200 || got["customer"] != "Ada" || len(got["items"].([]any)) != 2 {
+		t.Fatalf("GET = %d %v", code, got)
+	}
+	code, hdr, list, _ := get(t, http.DefaultClient, api+"/api/orders?q=ad")
+	if code != 200 || hdr.Get("X-Search-Source") != "sql" || len(list["orders"].([]any)) != 1 {
+		t.Fatalf("list = %d %v", code, list)
+	}
+
+	// The order and its event were written together.
+	var eventType, aggregate string
+	err := s.app.db.QueryRow(context.Background(), `SELECT event_type, aggregate_id FROM outbox_events`).Scan(&eventType, &aggregate)
+	if err != nil || eventType != "order.created" || aggregate != itoa(id) {
+		t.Fatalf("outbox row: %v %s %s", err, eventType, aggregate)
+	}
+}
+
+// Bad input gets the right 4xx with a JSON error body, and nothing is written.
+func TestOrderBadInput(t *testing.T) {
+	s := startInProcess(t, fastEnv(t))
+	api := apiURL(s)
+	for _, tc := range []struct {
+		name, body, contentType string
+		header                  map[string]string
+		status                  int
+		code, mentions          string
+	}{
+		{"malformed JSON", `{"customer":`, "", nil, 400, "invalid_json", ""},
+		{"wrong type", `{"customer":"Ada","items":[{"sku":"tea","qty":"two","priceCents":1}]}`, "", nil, 400, "invalid_json", "qty"},
+		{"unknown field", `{"customer":"Ada","items":[],"discount":5}`, "", nil, 400, "invalid_json", "discount"},
+		{"trailing data", validOrder + `{}`, "", nil, 400, "invalid_json", ""},
+		{"missing fields", `{}`, "", nil, 422, "validation_failed", "customer"},
+		{"every problem at once", `{"customer":"","items":[{"sku":"","qty":0,"priceCents":-1}]}`, "", nil, 422, "validation_failed", "items[0].priceCents"},
+		{"too many items", `{"customer":"Ada","items":[` + strings.Repeat(`{"sku":"a","qty":1,"priceCents":1},`, 100) + `{"sku":"a","qty":1,"priceCents":1}]}`, "", nil, 422, "validation_failed", "1 to 100"},
+		{"oversized body", `{"customer":"` + strings.Repeat("x", 70<<10) + `","items":[]}`, "", nil, 413, "payload_too_large", ""},
+		{"not JSON", validOrder, "text/plain", nil, 415, "unsupported_media_type", ""},
+		{"bad idempotency key", validOrder, "", map[string]string{"Idempotency-Key": "schlüssel"}, 400, "invalid_idempotency_key", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req, _ := http.NewRequest(http.MethodPost, api+"/api/orders", strings.NewReader(tc.body))
+			ct := tc.contentType
+			if ct == "" {
+				ct = "application/json"
+			}
+			req.Header.Set("Content-Type", ct)
+			for k, v := range tc.header {
+				req.Header.Set(k, v)
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			var body struct{ Error errorBody }
+			json.NewDecoder(resp.Body).Decode(&body)
+			if resp.StatusCode != tc.status || body.Error.Code != tc.code || !strings.Contains(body.Error.Message, tc.mentions) {
+				t.Errorf("got %d %+v, want %d %s mentioning %q", resp.StatusCode, body.Error, tc.status, tc.code, tc.mentions)
+			}
+		})
+	}
+	for path, want := range map[string]int{"/api/orders/999": 404, "/api/orders/abc": 400, "/api/orders?q=" + strings.Repeat("x", 201): 400} {
+		if code, _, body, _ := get(t, http.DefaultClient, api+path); code != want || body["error"] == nil {
+			t.Errorf("GET %s = %d %v, want %d with an error body", path, code, body, want)
+		}
+	}
+	if n := countRows(t, s, "orders") + countRows(t, s, "outbox_events"); n != 0 {
+		t.Fatalf("bad input wrote %d rows", n)
+	}
+}
+
+func TestOrderIdempotency(t *testing.T) {
+	s := startInProcess(t, fastEnv(t))
+	api := apiURL(s)
+	key := map[string]string{"Idempotency-Key": "order-7f3a"}
+
+	code1, _, first := post(t, api+"/api/orders", validOrder, key)
+	code2, hdr, second := post(t, api+"/api/orders", validOrder, key)
+	if code1 != 201 || code2 != 201 || hdr.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("first %d, retry %d (replayed %q)", code1, code2, hdr.Get("Idempotent-Replayed"))
+	}
+	if a, b := mustJSON(first), mustJSON(second); a != b {
+		t.Fatalf("the retry answered differently:\n%s\n%s", a, b)
+	}
+
+	// A crash lost the Redis marker: the unique column still finds the first order.
+	s.app.redis.FlushAll(context.Background())
+	if code, _, third := post(t, api+"/api/orders", validOrder, key); code != 201 || mustJSON(third) != mustJSON(first) {
+		t.Fatalf("after losing Redis: %d %v", code, third)
+	}
+
+	// The same key with another body is refused.
+	if code, _, body := post(t, api+"/api/orders", `{"customer":"Bob","items":[{"sku":"x","qty":1,"priceCents":1}]}`, key); code != 422 ||
+		body["error"].(map[string]any)["code"] != "idempotency_key_reused" {
+		t.Fatalf("reused key: %d %v", code, body)
+	}
+
+	// A request still in flight elsewhere (its marker is set) makes a duplicate a 409.
+	s.app.redis.Set(context.Background(), "idempotency:order-in-flight", "in-flight", 0)
+	if code, _, body := post(t, api+"/api/orders", validOrder, map[string]string{"Idempotency-Key": "order-in-flight"}); code != 409 {
+		t.Fatalf("duplicate of an in-flight request: %d %v", code, body)
+	}
+
+	// Concurrent duplicates: one order; every answer is that order or a 409.
+	var wg sync.WaitGroup
+	codes := make([]int, 16)
+	bodies := make([]map[string]any, 16)
+	for i := range codes {
+		wg.Go(func() {
+			codes[i], _, bodies[i] = post(t, api+"/api/orders", validOrder, map[string]string{"Idempotency-Key": "order-race"})
+		})
+	}
+	wg.Wait()
+	var ids = map[any]bool{}
+	for i, c := range codes {
+		switch c {
+		case 201:
+			ids[bodies[i]["id"]] = true
+		case 409:
+		default:
+			t.Errorf("concurrent duplicate answered %d %v", c, bodies[i])
+		}
+	}
+	var n int
+	s.app.db.QueryRow(context.Background(), `SELECT count(*) FROM orders WHERE idempotency_key = 'order-race'`).Scan(&n)
+	if n != 1 || len(ids) != 1 {
+		t.Fatalf("%d orders and %d distinct ids for one key", n, len(ids))
+	}
+}
+
+// Without Redis the unique column alone keeps a retried POST from creating a second order.
+func TestOrderIdempotencyWithoutRedis(t *testing.T) {
+	env := fastEnv(t)
+	s := startInProcess(t, env)
+	opts, _ := redis.ParseURL(env["REDIS_URL"])
+	api := apiURL(s)
+	key := map[string]string{"Idempotency-Key": "no-redis"}
+	_, _, first := post(t, api+"/api/orders", validOrder, key)
+	rdb := redis.NewClient(opts)
+	defer rdb.Close()
+	rdb.Shutdown(context.Background()) // Redis gone (the server refuses to come back in this test)
+	code, _, again := post(t, api+"/api/orders", validOrder, key)
+	if code != 201 || mustJSON(again) != mustJSON(first) {
+		t.Fatalf("retry without Redis: %d %v", code, again)
+	}
+}
+
+func mustJSON(v any) string {
+	var b bytes.Buffer
+	json.NewEncoder(&b).Encode(v)
+	return b.String()
+}
+
+func itoa(n int64) string { return strconv.FormatInt(n, 10) }

@@ -1,0 +1,132 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// sseFrame is one Server-Sent Event as a client sees it.
+type sseFrame struct {
+	ID    int64
+	Event string
+	Data  map[string]any
+	Retry int
+}
+
+// sseClient reads one event stream in the background, like a browser's
+// EventSource, collecting the frames it receives.
+type sseClient struct {
+	t      *testing.T
+	cancel context.CancelFunc
+	ended  chan struct{} // closed when the stream ends
+
+	mu     sync.Mutex
+	frames []sseFrame
+	status int
+}
+
+// openSSE connects to base+/api/events, resuming after lastID when it is not 0.
+func openSSE(t *testing.T, base string, lastID int64) *sseClient {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	c := &sseClient{t: t, cancel: cancel, ended: make(chan struct{})}
+	t.Cleanup(func() { cancel(); <-c.ended })
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, base+"/api/events", nil)
+	if lastID != 0 {
+		req.Header.Set("Last-Event-ID", strconv.FormatInt(lastID, 10))
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("opening the event stream at %s: %v", base, err)
+	}
+	c.status = resp.StatusCode
+	if resp.StatusCode != http.StatusOK {
+		resp.Body.Close()
+		close(c.ended)
+		return c
+	}
+	go c.read(resp)
+	return c
+}
+
+func (c *sseClient) read(resp *http.Response) {
+	defer close(c.ended)
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	var f sseFrame
+	for sc.Scan() {
+		line := sc.Text()
+		field, value, _ := strings.Cut(line, ":")
+		value = strings.TrimPrefix(value, " ")
+		switch {
+		case line == "":
+			if f.Event != "" || f.Data != nil {
+				c.mu.Lock()
+				c.frames = append(c.frames, f)
+				c.mu.Unlock()
+			}
+			f = sseFrame{}
+		case field == "id":
+			f.ID, _ = strconv.ParseInt(value, 10, 64)
+		case field == "event":
+			f.Event = value
+		case field == "retry":
+			f.Retry, _ = strconv.Atoi(value)
+		case field == "data":
+			f.Data = map[string]any{}
+			_ = json.Unmarshal([]byte(value), &f.Data)
+		}
+	}
+}
+
+// events returns the frames of type eventType received so far.
+func (c *sseClient) events(eventType string) []sseFrame {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []sseFrame
+	for _, f := range c.frames {
+		if f.Event == eventType {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// waitFor waits until cond holds for the frames received, or fails.
+func (c *sseClient) waitFor(timeout time.Duration, what string, cond func([]sseFrame) bool) {
+	c.t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		c.mu.Lock()
+		ok := cond(c.frames)
+		n := len(c.frames)
+		c.mu.Unlock()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			c.t.Fatalf("event stream: %s not seen within %s (%d frames)", what, timeout, n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// lastID is the id of the last event received (what EventSource would resume from).
+func (c *sseClient) lastID() int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for i := len(c.frames) - 1; i >= 0; i-- {
+		if c.frames[i].ID != 0 {
+			return c.frames[i].ID
+		}
+	}
+	return 0
+}
