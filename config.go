@@ -49,6 +49,7 @@ type config struct {
 type outboxConfig struct {
 	BatchSize    uint          // events claimed and delivered per transaction
 	PollInterval time.Duration // fallback when no NOTIFY arrives
+	Listen       bool          // LISTEN for inserts; off behind PgBouncer in transaction mode
 	MaxAttempts  uint          // failed deliveries before an event is dead
 	RetryBase    time.Duration // first delay after a failed delivery; doubles
 	RetryMax     time.Duration // cap on that delay
@@ -117,7 +118,7 @@ func defaultConfig() config {
 		OpsAddr:   ":9090",
 		LogFormat: "text",
 		Storage:   storageConfig{Bucket: "kumiko-demo"},
-		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, MaxAttempts: 10,
+		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, Listen: true, MaxAttempts: 10,
 			RetryBase: time.Second, RetryMax: 5 * time.Minute},
 		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second},
 		Lifecycle: lifecycleConfig{
@@ -172,6 +173,7 @@ func (c *config) settings() []configSetting {
 		{"secrets.masterKeyFile", "KUMIKO_MASTER_KEY_FILE", textValue{p: &c.MasterKeyFile}},
 		{"outbox.batchSize", "KUMIKO_OUTBOX_BATCH_SIZE", uintValue{p: &c.Outbox.BatchSize}},
 		{"outbox.pollIntervalSec", "KUMIKO_OUTBOX_POLL_INTERVAL", durationValue{p: &c.Outbox.PollInterval}},
+		{"outbox.listen", "KUMIKO_OUTBOX_LISTEN", boolValue{p: &c.Outbox.Listen}},
 		{"outbox.maxAttempts", "KUMIKO_OUTBOX_MAX_ATTEMPTS", uintValue{p: &c.Outbox.MaxAttempts}},
 		{"outbox.retryBaseSec", "KUMIKO_OUTBOX_RETRY_BASE", durationValue{p: &c.Outbox.RetryBase}},
 		{"outbox.retryMaxSec", "KUMIKO_OUTBOX_RETRY_MAX", durationValue{p: &c.Outbox.RetryMax}},

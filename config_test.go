@@ -74,7 +74,7 @@ func TestLoadConfigDefaults(t *testing.T) {
 		DatabaseURL: "postgres://app@db:5432/app",
 		RedisURL:    "redis://redis:6379/0",
 		Storage:     storageConfig{Bucket: "kumiko-demo"},
-		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, MaxAttempts: 10,
+		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, Listen: true, MaxAttempts: 10,
 			RetryBase: time.Second, RetryMax: 5 * time.Minute},
 		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second},
 		Lifecycle: lifecycleConfig{

@@ -9,7 +9,7 @@ import (
 	"time"
 )
 
-func readyLifecycle(t *testing.T) *Lifecycle {
+func readyLifecycle(t testing.TB) *Lifecycle {
 	t.Helper()
 	lc := newTestLifecycle()
 	lc.moveTo(StateReady)

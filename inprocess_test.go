@@ -61,7 +61,7 @@ type inProcess struct {
 	done   chan error
 }
 
-func startInProcess(t *testing.T, env map[string]string) *inProcess {
+func startInProcess(t testing.TB, env map[string]string) *inProcess {
 	t.Helper()
 	logs := &syncBuffer{}
 	env["KUMIKO_CONFIG"] = ""

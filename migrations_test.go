@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-func testPool(t *testing.T) *pgxpool.Pool {
+func testPool(t testing.TB) *pgxpool.Pool {
 	t.Helper()
 	pool, err := pgxpool.New(context.Background(), testPostgres(t))
 	if err != nil {
@@ -22,7 +22,7 @@ func testPool(t *testing.T) *pgxpool.Pool {
 }
 
 // migrationApp is just enough app for phases 8 and 9.
-func migrationApp(t *testing.T, pool *pgxpool.Pool, mode string, baseline uint) *app {
+func migrationApp(t testing.TB, pool *pgxpool.Pool, mode string, baseline uint) *app {
 	a := newApp(func(string) string { return "" }, io.Discard)
 	a.db = pool
 	a.cfg.Lifecycle.Migrations.Mode = mode

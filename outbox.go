@@ -143,15 +143,17 @@ func (p *outboxPoller) run(ctx context.Context) {
 	defer close(p.done)
 	defer p.recoverPanic()
 
-	// The listener only wakes the loop; if it is down the poll still delivers.
-	listenCtx, stopListening := context.WithCancel(ctx)
-	listening := make(chan struct{})
-	go func() {
-		defer close(listening)
-		defer p.recoverPanic()
-		p.listen(listenCtx)
-	}()
-	defer func() { stopListening(); <-listening }()
+	// The listener only wakes the loop; if it is down (or off) the poll still delivers.
+	if p.cfg.Listen {
+		listenCtx, stopListening := context.WithCancel(ctx)
+		listening := make(chan struct{})
+		go func() {
+			defer close(listening)
+			defer p.recoverPanic()
+			p.listen(listenCtx)
+		}()
+		defer func() { stopListening(); <-listening }()
+	}
 
 	poll := time.NewTicker(p.cfg.PollInterval)
 	defer poll.Stop()

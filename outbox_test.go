@@ -21,7 +21,7 @@ type outboxFixture struct {
 	cfg   outboxConfig
 }
 
-func newOutboxFixture(t *testing.T) *outboxFixture {
+func newOutboxFixture(t testing.TB) *outboxFixture {
 	t.Helper()
 	db := testPool(t)
 	mg, err := newMigrator(db)
@@ -39,10 +39,10 @@ func newOutboxFixture(t *testing.T) *outboxFixture {
 	rdb := redis.NewClient(opts)
 	t.Cleanup(func() { rdb.Close() })
 	return &outboxFixture{db: db, redis: srv, rdb: rdb,
-		cfg: outboxConfig{BatchSize: 50, PollInterval: 50 * time.Millisecond, MaxAttempts: 10, RetryBase: 20 * time.Millisecond, RetryMax: time.Second}}
+		cfg: outboxConfig{BatchSize: 50, PollInterval: 50 * time.Millisecond, Listen: true, MaxAttempts: 10, RetryBase: 20 * time.Millisecond, RetryMax: time.Second}}
 }
 
-func (f *outboxFixture) poller(t *testing.T, name string) *outboxPoller {
+func (f *outboxFixture) poller(t testing.TB, name string) *outboxPoller {
 	t.Helper()
 	m := newMetrics()
 	rd := newReadiness(readyLifecycle(t), m, time.Second, time.Millisecond)
@@ -54,7 +54,7 @@ func (f *outboxFixture) poller(t *testing.T, name string) *outboxPoller {
 }
 
 // writeEvents commits n events, as n business transactions would.
-func (f *outboxFixture) writeEvents(t *testing.T, n int) []int64 {
+func (f *outboxFixture) writeEvents(t testing.TB, n int) []int64 {
 	t.Helper()
 	var ids []int64
 	err := pgx.BeginFunc(context.Background(), f.db, func(tx pgx.Tx) error {
@@ -99,7 +99,7 @@ func (f *outboxFixture) subscribe(t *testing.T) func() []outboxEvent {
 	}
 }
 
-func (f *outboxFixture) waitDelivered(t *testing.T, want int, timeout time.Duration) {
+func (f *outboxFixture) waitDelivered(t testing.TB, want int, timeout time.Duration) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for {

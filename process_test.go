@@ -46,7 +46,7 @@ var testMasterKey = base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{7}, 32
 
 // fastEnv is the environment of a service that boots against real Postgres and
 // Redis with every timing shrunk so a whole lifecycle takes milliseconds.
-func fastEnv(t *testing.T) map[string]string {
+func fastEnv(t testing.TB) map[string]string {
 	t.Helper()
 	return map[string]string{
 		"DATABASE_URL":                   testPostgres(t),

@@ -86,6 +86,9 @@ cat <<MSG
   app1            api http://127.0.0.1:8081   ops http://127.0.0.1:9091/health/ready
   app2            api http://127.0.0.1:8082   ops http://127.0.0.1:9092/health/ready
   admin           curl -H 'Authorization: Bearer $KUMIKO_ADMIN_TOKEN' http://127.0.0.1:9091/admin/lifecycle
+  event stream    curl -N http://127.0.0.1:8081/api/events
+  an order        curl -XPOST http://127.0.0.1:$LB_PORT/api/orders -H 'Content-Type: application/json' \
+                    -d '{"customer":"Ada","items":[{"sku":"tea","qty":2,"priceCents":250}]}'
 
   watch a drain:  kill -TERM \$(cat .demo/app1.pid)
   Ctrl+C stops everything.

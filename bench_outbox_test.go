@@ -1,0 +1,144 @@
+package main
+
+// Outbox figures, measured, not asserted:
+//
+//	go test -run '^$' -bench 'Outbox' -benchtime 20000x .
+//
+// BenchmarkOutboxThroughput/pollers=N   delivered events/s from a backlog,
+//                                       next to pgbench -N tps on the same server
+// BenchmarkOutboxLatency/notify|poll    commit → SSE client latency at 500 events/s
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net/http"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+func BenchmarkOutboxThroughput(b *testing.B) {
+	for _, pollers := range []int{1, 2} {
+		b.Run(fmt.Sprintf("pollers=%d", pollers), func(b *testing.B) {
+			f := newOutboxFixture(b)
+			f.cfg = outboxConfig{BatchSize: 100, PollInterval: 50 * time.Millisecond, Listen: true, MaxAttempts: 10, RetryBase: time.Second, RetryMax: time.Minute}
+			// The backlog: b.N events, written 1,000 per transaction.
+			for written := 0; written < b.N; written += 1000 {
+				f.writeEvents(b, min(1000, b.N-written))
+			}
+			b.ResetTimer()
+			start := time.Now()
+			for i := range pollers {
+				if err := f.poller(b, fmt.Sprint("p", i)).Start(context.Background()); err != nil {
+					b.Fatal(err)
+				}
+			}
+			f.waitDelivered(b, b.N, 5*time.Minute)
+			elapsed := time.Since(start)
+			b.StopTimer()
+			b.ReportMetric(float64(b.N)/elapsed.Seconds(), "events/s")
+			b.ReportMetric(pgbenchTPS(b, f.db.Config().ConnString(), 1), "pgbench-N-c1-tps")
+			b.ReportMetric(pgbenchTPS(b, f.db.Config().ConnString(), 2), "pgbench-N-c2-tps")
+		})
+	}
+}
+
+// pgbenchTPS runs pgbench -N (TPC-B without the contended updates: one small
+// transaction per event is what an unbatched outbox would do) for 3 seconds.
+func pgbenchTPS(b *testing.B, conn string, clients int) float64 {
+	b.Helper()
+	bin, err := exec.LookPath("pgbench")
+	if err != nil {
+		matches, _ := filepath.Glob("/usr/lib/postgresql/*/bin/pgbench")
+		if len(matches) == 0 {
+			b.Skip("pgbench not installed")
+		}
+		bin = matches[len(matches)-1]
+	}
+	if out, err := exec.Command(bin, "-i", "-q", "-s", "1", conn).CombinedOutput(); err != nil {
+		b.Fatalf("pgbench -i: %v\n%s", err, out)
+	}
+	out, err := exec.Command(bin, "-N", "-c", strconv.Itoa(clients), "-j", strconv.Itoa(clients), "-T", "3", conn).CombinedOutput()
+	if err != nil {
+		b.Fatalf("pgbench -N: %v\n%s", err, out)
+	}
+	m := regexp.MustCompile(`tps = ([0-9.]+)`).FindSubmatch(out)
+	if m == nil {
+		b.Fatalf("no tps in pgbench output:\n%s", out)
+	}
+	tps, _ := strconv.ParseFloat(string(m[1]), 64)
+	return tps
+}
+
+func BenchmarkOutboxLatency(b *testing.B) {
+	for _, mode := range []string{"notify", "poll"} {
+		b.Run(mode, func(b *testing.B) {
+			env := fastEnv(b)
+			env["KUMIKO_OUTBOX_POLL_INTERVAL"] = "100ms"
+			env["KUMIKO_OUTBOX_LISTEN"] = strconv.FormatBool(mode == "notify")
+			env["KUMIKO_LOG_FORMAT"] = "json"
+			s := startInProcess(b, env)
+
+			received := sync.Map{} // event id → time seen by the SSE client
+			req, _ := http.NewRequest(http.MethodGet, apiURL(s)+"/api/events", nil)
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer resp.Body.Close()
+			go func() {
+				sc := bufio.NewScanner(resp.Body)
+				for sc.Scan() {
+					if id, ok := strings.CutPrefix(sc.Text(), "id: "); ok {
+						n, _ := strconv.ParseInt(id, 10, 64)
+						received.Store(n, time.Now())
+					}
+				}
+			}()
+			time.Sleep(100 * time.Millisecond)
+
+			// 500 events/s, one per transaction, like 500 orders/s.
+			committed := map[int64]time.Time{}
+			tick := time.NewTicker(2 * time.Millisecond)
+			b.ResetTimer()
+			for b.Loop() {
+				<-tick.C
+				var id int64
+				err := pgx.BeginFunc(context.Background(), s.app.db, func(tx pgx.Tx) error {
+					var err error
+					id, err = writeOutboxEvent(context.Background(), tx, "bench", "1", "bench.tick", map[string]int{"n": 1})
+					return err
+				})
+				if err != nil {
+					b.Fatal(err)
+				}
+				committed[id] = time.Now()
+			}
+			tick.Stop()
+			b.StopTimer()
+			time.Sleep(500 * time.Millisecond) // let the last ones arrive
+
+			var lat []time.Duration
+			for id, at := range committed {
+				if seen, ok := received.Load(id); ok {
+					lat = append(lat, seen.(time.Time).Sub(at))
+				}
+			}
+			if len(lat) < len(committed) {
+				b.Fatalf("%d of %d events reached the SSE client", len(lat), len(committed))
+			}
+			slices.Sort(lat)
+			b.ReportMetric(float64(lat[len(lat)/2].Microseconds())/1000, "p50-ms")
+			b.ReportMetric(float64(lat[len(lat)*99/100].Microseconds())/1000, "p99-ms")
+		})
+	}
+}
