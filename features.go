@@ -59,7 +59,9 @@ func (a *app) registerFeatures() []feature {
 					return handleCreateOrder(a.db, a.redis, a.metrics, a.log.WithField("component", "orders"))
 				}},
 				{method: http.MethodGet, path: "/api/orders/:id", handler: func() echo.HandlerFunc { return handleGetOrder(a.db) }},
-				{method: http.MethodGet, path: "/api/orders", handler: func() echo.HandlerFunc { return handleListOrders(a.db) }},
+				{method: http.MethodGet, path: "/api/orders", handler: func() echo.HandlerFunc {
+					return handleListOrders(a.db, a.search, a.log.WithField("component", "orders"))
+				}},
 			},
 		},
 		{

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -165,20 +166,58 @@ func TestHangingHookPastShutdownBudgetFails(t *testing.T) {
 	}
 }
 
-// meiliDouble is a test double of the one Meilisearch endpoint the boot calls
-// (GET /health). No Meilisearch server can be installed here; docker-compose
-// runs the real one.
-func meiliDouble(t *testing.T, status string) string {
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path != "/health" {
-			http.NotFound(w, r)
-			return
-		}
+// meiliDouble is a test double of the Meilisearch endpoints this project
+// calls: GET /health, POST /indexes, PUT .../settings/searchable-attributes and
+// POST /indexes/orders/search (answering with the ids set in hits). No
+// Meilisearch server can be installed here; docker-compose runs the real one.
+type meiliDouble struct {
+	srv *httptest.Server
+
+	mu    sync.Mutex
+	hits  []int64
+	calls []string
+}
+
+func newMeiliDouble(t testing.TB, status string) *meiliDouble {
+	d := &meiliDouble{}
+	d.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		d.mu.Lock()
+		d.calls = append(d.calls, r.Method+" "+r.URL.Path)
+		hits := d.hits
+		d.mu.Unlock()
 		w.Header().Set("Content-Type", "application/json")
-		w.Write([]byte(`{"status":"` + status + `"}`))
+		task := `{"taskUid":1,"indexUid":"orders","status":"enqueued","type":"indexCreation","enqueuedAt":"2026-01-01T00:00:00Z"}`
+		switch {
+		case r.Method == http.MethodGet && r.URL.Path == "/health":
+			w.Write([]byte(`{"status":"` + status + `"}`))
+		case r.Method == http.MethodPost && r.URL.Path == "/indexes",
+			r.Method == http.MethodPut && r.URL.Path == "/indexes/orders/settings/searchable-attributes":
+			w.WriteHeader(http.StatusAccepted)
+			w.Write([]byte(task))
+		case r.Method == http.MethodPost && r.URL.Path == "/indexes/orders/search":
+			var out []map[string]int64
+			for _, id := range hits {
+				out = append(out, map[string]int64{"id": id})
+			}
+			json.NewEncoder(w).Encode(map[string]any{"hits": out, "query": "", "processingTimeMs": 1})
+		default:
+			http.NotFound(w, r)
+		}
 	}))
-	t.Cleanup(srv.Close)
-	return srv.URL
+	t.Cleanup(d.srv.Close)
+	return d
+}
+
+func (d *meiliDouble) setHits(ids ...int64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.hits = ids
+}
+
+func (d *meiliDouble) called(call string) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Contains(d.calls, call)
 }
 
 // Search and storage are optional: up, they are checked; down, the boot warns
@@ -187,13 +226,17 @@ func TestOptionalAdaptersUpAndDown(t *testing.T) {
 	t.Run("up", func(t *testing.T) {
 		s3 := testS3(t)
 		env := fastEnv(t)
-		env["MEILI_URL"] = meiliDouble(t, "available")
+		meili := newMeiliDouble(t, "available")
+		env["MEILI_URL"] = meili.srv.URL
 		env["S3_ENDPOINT"], env["S3_ACCESS_KEY"], env["S3_SECRET_KEY"], env["S3_BUCKET"] = s3.Endpoint, s3.AccessKey, s3.SecretKey, "receipts"
 		s := startInProcess(t, env)
 		for _, phase := range []string{"searchAdapter", "fileStorage"} {
 			if s.logs.find(map[string]any{"phase": phase, "outcome": "ok"}) == nil {
 				t.Errorf("phase %s not ok", phase)
 			}
+		}
+		if !meili.called("POST /indexes") || !meili.called("PUT /indexes/orders/settings/searchable-attributes") {
+			t.Errorf("phase 11 did not prepare the orders index: %v", meili.calls)
 		}
 		client, _ := minio.New(s3.Endpoint, &minio.Options{Creds: credentials.NewStaticV4(s3.AccessKey, s3.SecretKey, "")})
 		if ok, err := client.BucketExists(context.Background(), "receipts"); !ok || err != nil {

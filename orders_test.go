@@ -208,3 +208,29 @@ func mustJSON(v any) string {
 }
 
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }
+
+// GET /api/orders?q= asks Meilisearch while it answers, and SQL when it does not.
+func TestOrderSearchUsesMeilisearchThenFallsBackToSQL(t *testing.T) {
+	meili := newMeiliDouble(t, "available")
+	env := fastEnv(t)
+	env["MEILI_URL"] = meili.srv.URL
+	s := startInProcess(t, env)
+	api := apiURL(s)
+	_, _, ada := post(t, api+"/api/orders", validOrder, nil)
+	_, _, bob := post(t, api+"/api/orders", `{"customer":"Bob","items":[{"sku":"tea","qty":1,"priceCents":1}]}`, nil)
+	bobID := int64(bob["id"].(float64))
+
+	meili.setHits(bobID, 999) // ranked by the index; 999 is not (or no longer) in the database
+	code, hdr, body, _ := get(t, http.DefaultClient, api+"/api/orders?q=tea")
+	orders, _ := body["orders"].([]any)
+	if code != 200 || hdr.Get("X-Search-Source") != "meilisearch" || len(orders) != 1 || orders[0].(map[string]any)["id"] != bob["id"] {
+		t.Fatalf("search with Meilisearch up: %d %s %v", code, hdr.Get("X-Search-Source"), body)
+	}
+
+	meili.srv.Close() // search goes down
+	code, hdr, body, _ = get(t, http.DefaultClient, api+"/api/orders?q=ad")
+	orders, _ = body["orders"].([]any)
+	if code != 200 || hdr.Get("X-Search-Source") != "sql" || len(orders) != 1 || orders[0].(map[string]any)["id"] != ada["id"] {
+		t.Fatalf("search with Meilisearch down: %d %s %v", code, hdr.Get("X-Search-Source"), body)
+	}
+}

@@ -25,7 +25,43 @@ func (a *app) connectSearch(ctx context.Context, p *phaseRun) error {
 	if err := searchHealthy(ctx, client); err != nil {
 		return fmt.Errorf("meilisearch at %s is unavailable, search falls back to SQL: %w", a.cfg.Search.URL, err)
 	}
+	if err := ensureOrdersIndex(ctx, client); err != nil {
+		return fmt.Errorf("preparing the %s index, search falls back to SQL: %w", ordersIndex, err)
+	}
 	return nil
+}
+
+// ordersIndex is the Meilisearch index of orders.
+const ordersIndex = "orders"
+
+// ensureOrdersIndex creates the orders index and its settings. Meilisearch
+// applies both as asynchronous tasks, and creating an index that exists is a
+// task that fails harmlessly, so two instances booting at once need no lock.
+func ensureOrdersIndex(ctx context.Context, client meilisearch.ServiceManager) error {
+	if _, err := client.CreateIndex(ctx, &meilisearch.IndexConfig{Uid: ordersIndex, PrimaryKey: "id"}); err != nil {
+		return err
+	}
+	_, err := client.Index(ordersIndex).UpdateSearchableAttributes(ctx, &[]string{"customer", "items.sku"})
+	return err
+}
+
+// searchOrderIDs asks Meilisearch for the ids of the orders matching q, best first.
+func searchOrderIDs(ctx context.Context, client meilisearch.ServiceManager, q string, limit int64) ([]int64, error) {
+	resp, err := client.Index(ordersIndex).Search(ctx, q, &meilisearch.SearchRequest{Limit: limit, AttributesToRetrieve: []string{"id"}})
+	if err != nil {
+		return nil, err
+	}
+	var hits []struct {
+		ID int64 `json:"id"`
+	}
+	if err := resp.Hits.DecodeInto(&hits); err != nil {
+		return nil, fmt.Errorf("decoding search hits: %w", err)
+	}
+	ids := make([]int64, len(hits))
+	for i, h := range hits {
+		ids[i] = h.ID
+	}
+	return ids, nil
 }
 
 func searchHealthy(ctx context.Context, client meilisearch.ServiceManager) error {
