@@ -36,7 +36,7 @@ func TestMigrationModes(t *testing.T) {
 
 	p := &phaseRun{name: "migrationsCheck"}
 	err := migrationApp(t, pool, migrationsExitOnPending, 0).checkMigrations(ctx, p)
-	if err == nil || !strings.Contains(err.Error(), "pending migrations [1 2]") || !strings.Contains(err.Error(), "migrate up") {
+	if err == nil || !strings.Contains(err.Error(), "pending migrations [1 2 3 4 5 6 7 8 9 10]") || !strings.Contains(err.Error(), "migrate up") {
 		t.Fatalf("exit-on-pending: %v", err)
 	}
 	p = &phaseRun{name: "migrationsCheck"}
@@ -101,8 +101,8 @@ func TestSchemaBaseline(t *testing.T) {
 	if err := mg.up(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := migrationApp(t, pool, migrationsAutoApply, 3).checkSchemaBaseline(ctx, p); err == nil || !strings.Contains(err.Error(), "older than baseline 3") {
-		t.Fatalf("version 2 under baseline 3: %v", err)
+	if err := migrationApp(t, pool, migrationsAutoApply, 11).checkSchemaBaseline(ctx, p); err == nil || !strings.Contains(err.Error(), "older than baseline 11") {
+		t.Fatalf("version 10 under baseline 11: %v", err)
 	}
 	if _, err := pool.Exec(ctx, "UPDATE schema_migrations SET dirty = true"); err != nil {
 		t.Fatal(err)
@@ -123,9 +123,9 @@ func TestMigrateCommand(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"status"}, "version 0 (dirty false), binary has 2, pending [1 2]"},
-		{[]string{"up"}, "version 2 (dirty false), binary has 2, pending []"},
-		{[]string{"down", "2"}, "version 0 (dirty false), binary has 2, pending [1 2]"},
+		{[]string{"status"}, "version 0 (dirty false), binary has 10, pending [1 2 3 4 5 6 7 8 9 10]"},
+		{[]string{"up"}, "version 10 (dirty false), binary has 10, pending []"},
+		{[]string{"down", "10"}, "version 0 (dirty false), binary has 10, pending [1 2 3 4 5 6 7 8 9 10]"},
 	} {
 		out.Reset()
 		if err := run(ctx, append([]string{serviceName, "migrate"}, step.args...), getenv, &out, io.Discard); err != nil {
