@@ -15,6 +15,7 @@ import (
 	"github.com/labstack/echo/v4"
 	"github.com/labstack/echo/v4/middleware"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/redis/go-redis/v9"
 	"github.com/sirupsen/logrus"
 )
 
@@ -22,8 +23,10 @@ import (
 // Routes: one function per listener, one line per route.
 
 // addOpsRoutes serves probes, metrics and admin on the ops listener, which is
-// open from phase 2 until the very end of the drain.
-func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, adminToken string) {
+// open from phase 2 until the very end of the drain. Redis and the jobs
+// client come later in the boot: the admin handlers read them when asked.
+func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, adminToken string,
+	redisNow func() *redis.Client, jobsNow func() *jobs) {
 	e.GET("/health", handleLive())
 	e.GET("/health/ready", handleReady(rd))
 	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{Registry: m.registry})))
@@ -32,6 +35,8 @@ func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, adminT
 	}
 	admin := e.Group("/admin", requireBearer(adminToken))
 	admin.GET("/lifecycle", handleTimeline(lc))
+	admin.GET("/workers", handleWorkers(redisNow))
+	admin.POST("/jobs/:name/run", handleRunJob(jobsNow))
 }
 
 // addAPIRoutes serves the features on the API listener (bound in phase 15).
@@ -268,6 +273,26 @@ func handleSlow(max time.Duration) echo.HandlerFunc {
 		case <-c.Request().Context().Done():
 			return nil // the client left, or the drain force-closed the connection
 		}
+	}
+}
+
+// handleWorkers is GET /admin/workers: the live workers of every instance
+// (their heartbeat keys) and the current leader.
+func handleWorkers(redisNow func() *redis.Client) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		rdb := redisNow()
+		if rdb == nil {
+			return apiError(http.StatusServiceUnavailable, "starting", "Redis is not connected yet")
+		}
+		workers, err := listLiveWorkers(c.Request().Context(), rdb)
+		if err != nil {
+			return err
+		}
+		leader, err := currentLeader(c.Request().Context(), rdb)
+		if err != nil {
+			return err
+		}
+		return c.JSON(http.StatusOK, map[string]any{"workers": workers, "leader": leader})
 	}
 }
 

@@ -15,6 +15,7 @@ import (
 	"github.com/meilisearch/meilisearch-go"
 	"github.com/minio/minio-go/v7"
 	"github.com/redis/go-redis/v9"
+	"github.com/robfig/cron/v3"
 	"github.com/sirupsen/logrus"
 )
 
@@ -45,9 +46,14 @@ type app struct {
 	heartbeats *heartbeats   // 10. redisConnect
 	search     meilisearch.ServiceManager
 	storage    *minio.Client
-	sse        *sseHub      // 15. apiListener
-	api        *httpServer  // 15. apiListener
-	inFlight   atomic.Int64 // API requests being served now
+	jobs       *jobs // 13. outboxPoller (started in 14. jobsWorker)
+	// The ops listener's admin routes exist from phase 2; they read Redis and
+	// the jobs client through these once the later phases have set them.
+	redisNow atomic.Pointer[redis.Client]
+	jobsNow  atomic.Pointer[jobs]
+	sse      *sseHub      // 15. apiListener
+	api      *httpServer  // 15. apiListener
+	inFlight atomic.Int64 // API requests being served now
 }
 
 func newApp(getenv func(string) string, stdout io.Writer) *app {
@@ -109,7 +115,7 @@ func (a *app) setupObservability(ctx context.Context, p *phaseRun) error {
 	})
 
 	e := newEcho(a.log, a.metrics, "ops")
-	addOpsRoutes(e, a.lc, a.health, a.metrics, a.cfg.AdminToken)
+	addOpsRoutes(e, a.lc, a.health, a.metrics, a.cfg.AdminToken, a.redisNow.Load, a.jobsNow.Load)
 	ops, err := listenHTTP("ops", a.cfg.OpsAddr, e, a.log, a.serverFailed)
 	if err != nil {
 		return err
@@ -151,12 +157,25 @@ func (a *app) listenAPI(ctx context.Context, p *phaseRun) error {
 	return nil
 }
 
-// startOutboxPoller is phase 13: three tries, because the framework's
-// guarantees need a working poller; then the boot ends.
+// startOutboxPoller is phase 13. The River client is created first, not yet
+// started, because delivering an event inserts the jobs it triggers; its stop
+// hook is registered before the poller's, so the drain stops the poller
+// first and the jobs worker after it. Three tries: the framework's guarantees
+// need a working poller; then the boot ends.
 func (a *app) startOutboxPoller(ctx context.Context, p *phaseRun) error {
+	j, err := newJobs(jobDeps{db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket,
+		masterKey: a.masterKey, log: a.log.WithField("component", "jobs")},
+		a.cfg.Jobs, a.cfg.InstanceID, a.features, a.cfg.LogFormat)
+	if err != nil {
+		return err
+	}
+	a.jobs = j
+	a.jobsNow.Store(j)
+	a.lc.RegisterShutdownHook("jobsWorker", j.Stop)
+
 	beat := a.heartbeats.RegisterHeartbeat("outbox", "outboxPoller")
-	poller := newOutboxPoller(a.db, a.redis, a.cfg.Outbox, beat, a.cfg.Lifecycle.Heartbeat.Interval, a.log, a.metrics,
-		func(r any) { a.panicked("outboxPoller", r) })
+	poller := newOutboxPoller(a.db, a.redis, a.cfg.Outbox, beat, a.cfg.Lifecycle.Heartbeat.Interval, j.insertForEvents,
+		a.log, a.metrics, func(r any) { a.panicked("outboxPoller", r) })
 	if err := a.retry(ctx, p, "outboxPoller", 3, poller.Start); err != nil {
 		return err
 	}
@@ -164,12 +183,50 @@ func (a *app) startOutboxPoller(ctx context.Context, p *phaseRun) error {
 	return nil
 }
 
-// startJobsWorker is phase 14.
+// startJobsWorker is phase 14: River starts working jobs, its heartbeat
+// starts, and the leader election starts the cron scheduler on whichever
+// instance leads. Three tries each, then the boot ends.
 func (a *app) startJobsWorker(ctx context.Context, p *phaseRun) error {
-	const reason = "the jobs worker and scheduler are not part of this build yet"
-	a.health.RegisterSkipped("jobsWorker", reason)
-	a.health.RegisterSkipped("schedulerLeader", reason)
-	return skipPhase(reason)
+	if err := a.retry(ctx, p, "jobsWorker", 3, a.jobs.Start); err != nil {
+		return err
+	}
+	jobsBeat := newBeatLoop(a.heartbeats.RegisterHeartbeat("jobs", "jobsWorker"), a.cfg.Lifecycle.Heartbeat.Interval,
+		a.log.WithField("component", "jobs"))
+	jobsBeat.Start()
+	a.lc.RegisterShutdownHook("jobsHeartbeat", jobsBeat.Stop)
+
+	le := a.cfg.Lifecycle.LeaderElection
+	if !le.Enabled {
+		a.health.RegisterSkipped("schedulerLeader", "KUMIKO_LEADER_ENABLED=false: this instance schedules no cron jobs")
+		return nil
+	}
+	sched := &scheduler{db: a.db, jobs: a.jobs, schedule: mustSchedule(a.cfg.Jobs.ReportCron),
+		beat: a.heartbeats.RegisterHeartbeat("scheduler", ""), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
+		log: a.log.WithField("component", "scheduler")}
+	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, sched.lead, a.log, a.metrics,
+		func(r any) { a.panicked("leader", r) })
+	if err := a.retry(ctx, p, "leaderElection", 3, el.Start); err != nil {
+		return err
+	}
+	a.lc.RegisterShutdownHook("leaderElection", el.Stop)
+	rdb := a.redis
+	a.health.RegisterReadinessCheck("schedulerLeader", false, func(ctx context.Context) checkResult {
+		leader, err := currentLeader(ctx, rdb)
+		if err != nil {
+			return failedResult(err, map[string]any{"isLeader": el.isLeader()})
+		}
+		return okResult(map[string]any{"isLeader": el.isLeader(), "leader": leader})
+	})
+	return nil
+}
+
+// mustSchedule parses a cron spec that phase 6 has already validated.
+func mustSchedule(spec string) cron.Schedule {
+	s, err := cronParser.Parse(spec)
+	if err != nil {
+		panic(fmt.Sprintf("cron spec %q passed bootValidation but does not parse: %v", spec, err))
+	}
+	return s
 }
 
 // confirmReady is phase 16: one real probe of every gating check before the

@@ -43,6 +43,7 @@ type config struct {
 	MasterKeyFile string // alternative to MasterKey, for mounted secrets
 	Outbox        outboxConfig
 	SSE           sseConfig
+	Jobs          jobsConfig
 	Lifecycle     lifecycleConfig
 }
 
@@ -53,6 +54,14 @@ type outboxConfig struct {
 	MaxAttempts  uint          // failed deliveries before an event is dead
 	RetryBase    time.Duration // first delay after a failed delivery; doubles
 	RetryMax     time.Duration // cap on that delay
+}
+
+type jobsConfig struct {
+	Workers      uint          // jobs worked at once by this instance
+	PollInterval time.Duration // River's fetch poll, the fallback to its LISTEN
+	Timeout      time.Duration // a job running longer is cancelled
+	RescueAfter  time.Duration // a job still running after this belonged to a crashed worker: run it again
+	ReportCron   string        // when the leader enqueues the periodic report
 }
 
 type sseConfig struct {
@@ -121,6 +130,8 @@ func defaultConfig() config {
 		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, Listen: true, MaxAttempts: 10,
 			RetryBase: time.Second, RetryMax: 5 * time.Minute},
 		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second},
+		Jobs: jobsConfig{Workers: 10, PollInterval: time.Second, Timeout: time.Minute, RescueAfter: time.Hour,
+			ReportCron: "*/5 * * * *"},
 		Lifecycle: lifecycleConfig{
 			StartupTimeout:   120 * time.Second,
 			ShutdownTimeout:  40 * time.Second,
@@ -177,6 +188,11 @@ func (c *config) settings() []configSetting {
 		{"outbox.maxAttempts", "KUMIKO_OUTBOX_MAX_ATTEMPTS", uintValue{p: &c.Outbox.MaxAttempts}},
 		{"outbox.retryBaseSec", "KUMIKO_OUTBOX_RETRY_BASE", durationValue{p: &c.Outbox.RetryBase}},
 		{"outbox.retryMaxSec", "KUMIKO_OUTBOX_RETRY_MAX", durationValue{p: &c.Outbox.RetryMax}},
+		{"jobs.workers", "KUMIKO_JOBS_WORKERS", uintValue{p: &c.Jobs.Workers}},
+		{"jobs.pollIntervalSec", "KUMIKO_JOBS_POLL_INTERVAL", durationValue{p: &c.Jobs.PollInterval}},
+		{"jobs.timeoutSec", "KUMIKO_JOBS_TIMEOUT", durationValue{p: &c.Jobs.Timeout}},
+		{"jobs.rescueAfterSec", "KUMIKO_JOBS_RESCUE_AFTER", durationValue{p: &c.Jobs.RescueAfter}},
+		{"jobs.reportCron", "KUMIKO_REPORT_CRON", textValue{p: &c.Jobs.ReportCron}},
 		{"sse.maxStreams", "KUMIKO_SSE_MAX_STREAMS", uintValue{p: &c.SSE.MaxStreams}},
 		{"sse.heartbeatSec", "KUMIKO_SSE_HEARTBEAT", durationValue{p: &c.SSE.Heartbeat}},
 		{"sse.retrySec", "KUMIKO_SSE_RETRY", durationValue{p: &c.SSE.RetryHint}},
@@ -290,6 +306,10 @@ func (c *config) validate() []error {
 	check(c.Outbox.MaxAttempts >= 1, "outbox.maxAttempts must be at least 1")
 	check(c.Outbox.RetryBase <= c.Outbox.RetryMax, "outbox.retryBaseSec (%s) must not exceed retryMaxSec (%s)", c.Outbox.RetryBase, c.Outbox.RetryMax)
 	check(c.SSE.MaxStreams >= 1, "sse.maxStreams must be at least 1")
+	check(c.Jobs.Workers >= 1, "jobs.workers must be at least 1")
+	// River rescues a job still running after RescueAfter: a shorter value
+	// would run live jobs twice.
+	check(c.Jobs.Timeout < c.Jobs.RescueAfter, "jobs.timeoutSec (%s) must be shorter than rescueAfterSec (%s)", c.Jobs.Timeout, c.Jobs.RescueAfter)
 	check(hb.Interval < hb.TTL,
 		"lifecycle.heartbeat.intervalSec (%s) must be less than ttlSec (%s), or the heartbeat expires between beats",
 		hb.Interval, hb.TTL)

@@ -77,6 +77,8 @@ func TestLoadConfigDefaults(t *testing.T) {
 		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, Listen: true, MaxAttempts: 10,
 			RetryBase: time.Second, RetryMax: 5 * time.Minute},
 		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second},
+		Jobs: jobsConfig{Workers: 10, PollInterval: time.Second, Timeout: time.Minute, RescueAfter: time.Hour,
+			ReportCron: "*/5 * * * *"},
 		Lifecycle: lifecycleConfig{
 			StartupTimeout:   120 * time.Second,
 			ShutdownTimeout:  40 * time.Second,

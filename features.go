@@ -7,7 +7,6 @@ import (
 	"strings"
 
 	"github.com/labstack/echo/v4"
-	"github.com/robfig/cron/v3"
 )
 
 // feature is everything one feature brings, declared up front so phase 6 can
@@ -52,8 +51,11 @@ func (a *app) registerFeatures() []feature {
 			publishes: []string{eventStateChanged},
 		},
 		{
-			name:      "orders",
-			publishes: []string{eventOrderCreated},
+			name:          "orders",
+			publishes:     []string{eventOrderCreated},
+			jobs:          []string{jobIndexOrder, jobWriteReceipt, jobReport, jobSleep},
+			subscriptions: a.orderSubscriptions(),
+			crons:         []cronSchedule{{job: jobReport, spec: a.cfg.Jobs.ReportCron}},
 			routes: []route{
 				{method: http.MethodPost, path: "/api/orders", handler: func() echo.HandlerFunc {
 					return handleCreateOrder(a.db, a.redis, a.metrics, a.log.WithField("component", "orders"))
@@ -79,6 +81,19 @@ func (a *app) registerFeatures() []feature {
 			},
 		},
 	}
+}
+
+// orderSubscriptions are the jobs an order.created triggers: only those
+// whose dependency is configured (a missing one is skipped at phase 11/12).
+func (a *app) orderSubscriptions() []subscription {
+	var subs []subscription
+	if a.cfg.Search.URL != "" {
+		subs = append(subs, subscription{event: eventOrderCreated, job: jobIndexOrder})
+	}
+	if a.cfg.Storage.Endpoint != "" {
+		subs = append(subs, subscription{event: eventOrderCreated, job: jobWriteReceipt})
+	}
+	return subs
 }
 
 // validateFeatures is phase 6: every problem of the feature graph, all at once.
@@ -121,7 +136,6 @@ func validateFeatures(features []feature) error {
 	}
 	// References are checked once every declaration is known, so the order of
 	// the feature list does not matter.
-	parser := cron.NewParser(cron.Minute | cron.Hour | cron.Dom | cron.Month | cron.Dow | cron.Descriptor)
 	for _, f := range features {
 		for _, s := range f.subscriptions {
 			if !events[s.event] {
@@ -135,7 +149,7 @@ func validateFeatures(features []feature) error {
 			if !jobs[c.job] {
 				problems = append(problems, fmt.Errorf("feature %s schedules unknown job %q", f.name, c.job))
 			}
-			if _, err := parser.Parse(c.spec); err != nil {
+			if _, err := cronParser.Parse(c.spec); err != nil {
 				problems = append(problems, fmt.Errorf("feature %s: cron %q for job %s: %w", f.name, c.spec, c.job, err))
 			}
 		}

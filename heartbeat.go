@@ -11,6 +11,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
+	"github.com/sirupsen/logrus"
 )
 
 const heartbeatKeyPrefix = "heartbeat:"
@@ -45,14 +46,65 @@ func newHeartbeats(rdb *redis.Client, instanceID string, ttl time.Duration, m *m
 }
 
 // RegisterHeartbeat returns the handle a worker beats with, and makes a stale
-// beat fail readiness under check (e.g. "outboxPoller").
+// beat fail readiness under check (e.g. "outboxPoller"); check "" is for a
+// worker that only beats while it has work (the scheduler, on the leader).
 func (hs *heartbeats) RegisterHeartbeat(worker, check string) *heartbeat {
 	h := &heartbeat{worker: worker, key: heartbeatKeyPrefix + worker + ":" + hs.instanceID, owner: hs}
 	hs.mu.Lock()
 	hs.handles = append(hs.handles, h)
 	hs.mu.Unlock()
-	hs.health.RegisterReadinessCheck(check, true, h.readinessCheck)
+	if check != "" {
+		hs.health.RegisterReadinessCheck(check, true, h.readinessCheck)
+	}
 	return h
+}
+
+// beatLoop beats a heartbeat every interval from its own goroutine, for a
+// component (the River client) whose loops live inside a library.
+type beatLoop struct {
+	beat     *heartbeat
+	interval time.Duration
+	log      *logrus.Entry
+	stopping chan struct{}
+	done     chan struct{}
+}
+
+func newBeatLoop(beat *heartbeat, interval time.Duration, log *logrus.Entry) *beatLoop {
+	return &beatLoop{beat: beat, interval: interval, log: log, stopping: make(chan struct{}), done: make(chan struct{})}
+}
+
+func (b *beatLoop) Start() {
+	go func() {
+		defer close(b.done)
+		tick := time.NewTicker(b.interval)
+		defer tick.Stop()
+		for {
+			ctx, cancel := context.WithTimeout(context.Background(), b.interval)
+			if err := b.beat.beat(ctx); err != nil {
+				b.log.WithError(err).Warn("heartbeat")
+			}
+			cancel()
+			select {
+			case <-b.stopping:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+}
+
+func (b *beatLoop) Stop(ctx context.Context) error {
+	select {
+	case <-b.stopping:
+	default:
+		close(b.stopping)
+	}
+	select {
+	case <-b.done:
+		return nil
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
 }
 
 // beat writes the key with the TTL; the value is the unix time of the beat.

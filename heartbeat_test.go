@@ -20,7 +20,7 @@ func TestHeartbeatLifecycle(t *testing.T) {
 
 	lc := readyLifecycle(t)
 	m := newMetrics()
-	rd := newReadiness(lc, m, time.Second, time.Millisecond)
+	rd := newReadiness(lc, m, time.Second, 0) // no caching: every report probes
 	hs := newHeartbeats(rdb, "inst-1", 300*time.Millisecond, m, rd)
 	hb := hs.RegisterHeartbeat("outbox", "outboxPoller")
 

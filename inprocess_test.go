@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -167,8 +168,9 @@ func TestHangingHookPastShutdownBudgetFails(t *testing.T) {
 }
 
 // meiliDouble is a test double of the Meilisearch endpoints this project
-// calls: GET /health, POST /indexes, PUT .../settings/searchable-attributes and
-// POST /indexes/orders/search (answering with the ids set in hits). No
+// calls: GET /health, POST /indexes, PUT .../settings/searchable-attributes,
+// POST /indexes/orders/documents and POST /indexes/orders/search (answering
+// with the ids set in hits). No
 // Meilisearch server can be installed here; docker-compose runs the real one.
 type meiliDouble struct {
 	srv *httptest.Server
@@ -191,7 +193,8 @@ func newMeiliDouble(t testing.TB, status string) *meiliDouble {
 		case r.Method == http.MethodGet && r.URL.Path == "/health":
 			w.Write([]byte(`{"status":"` + status + `"}`))
 		case r.Method == http.MethodPost && r.URL.Path == "/indexes",
-			r.Method == http.MethodPut && r.URL.Path == "/indexes/orders/settings/searchable-attributes":
+			r.Method == http.MethodPut && r.URL.Path == "/indexes/orders/settings/searchable-attributes",
+			r.Method == http.MethodPost && r.URL.Path == "/indexes/orders/documents":
 			w.WriteHeader(http.StatusAccepted)
 			w.Write([]byte(task))
 		case r.Method == http.MethodPost && r.URL.Path == "/indexes/orders/search":
@@ -264,5 +267,56 @@ func TestOptionalAdaptersUpAndDown(t *testing.T) {
 		if strings.Contains(s.logs.buf.String(), "secret-key-123") {
 			t.Error("the S3 secret key was logged")
 		}
+	})
+}
+
+// The jobs an order triggers write to a real S3 server (versitygw): a receipt
+// sealed with the master key; the index job reaches Meilisearch; a report
+// run by hand lands in S3 too.
+func TestJobsWriteToRealS3AndIndex(t *testing.T) {
+	s3 := testS3(t)
+	meili := newMeiliDouble(t, "available")
+	env := fastEnv(t)
+	env["MEILI_URL"] = meili.srv.URL
+	env["S3_ENDPOINT"], env["S3_ACCESS_KEY"], env["S3_SECRET_KEY"], env["S3_BUCKET"] = s3.Endpoint, s3.AccessKey, s3.SecretKey, "kumiko"
+	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
+	env["KUMIKO_JOBS_POLL_INTERVAL"] = "100ms"
+	s := startInProcess(t, env)
+	_, _, created := post(t, apiURL(s)+"/api/orders", validOrder, nil)
+	id := int64(created["id"].(float64))
+
+	client, _ := minio.New(s3.Endpoint, &minio.Options{Creds: credentials.NewStaticV4(s3.AccessKey, s3.SecretKey, "")})
+	name := "receipts/" + itoa(id) + ".sealed"
+	var sealed []byte
+	waitFor(t, 10*time.Second, "the receipt in S3", func() bool {
+		obj, err := client.GetObject(context.Background(), "kumiko", name, minio.GetObjectOptions{})
+		if err != nil {
+			return false
+		}
+		defer obj.Close()
+		sealed, err = io.ReadAll(obj)
+		return err == nil && len(sealed) > 0
+	})
+	plain, err := s.app.masterKey.open(sealed, []byte(name))
+	if err != nil {
+		t.Fatalf("the receipt does not open with the master key: %v", err)
+	}
+	var receipt order
+	if err := json.Unmarshal(plain, &receipt); err != nil || receipt.ID != id || receipt.TotalCents != 900 {
+		t.Fatalf("receipt %s: %+v %v", plain, receipt, err)
+	}
+	if bytes.Contains(sealed, []byte("Ada")) {
+		t.Fatal("the receipt is stored in the clear")
+	}
+	waitFor(t, 5*time.Second, "the order indexed", func() bool { return meili.called("POST /indexes/orders/documents") })
+
+	runJob(t, "http://"+s.app.ops.addr.String(), "report", "")
+	waitFor(t, 10*time.Second, "a report in S3", func() bool {
+		for obj := range client.ListObjects(context.Background(), "kumiko", minio.ListObjectsOptions{Prefix: "reports/"}) {
+			if obj.Err == nil {
+				return true
+			}
+		}
+		return false
 	})
 }

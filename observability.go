@@ -77,28 +77,30 @@ func (h redactHook) redact(s string) string {
 type metrics struct {
 	registry *prometheus.Registry
 
-	state            *prometheus.GaugeVec
-	stateChanges     *prometheus.CounterVec
-	phaseDuration    *prometheus.GaugeVec
-	startupDuration  prometheus.Gauge
-	shutdownStep     *prometheus.GaugeVec
-	shutdownForced   prometheus.Counter
-	httpInFlight     prometheus.Gauge
-	httpRequests     *prometheus.CounterVec
-	httpDuration     *prometheus.HistogramVec
-	readinessOK      *prometheus.GaugeVec
-	readinessProbes  *prometheus.CounterVec
-	panics           *prometheus.CounterVec
-	connectAttempts  *prometheus.CounterVec
-	heartbeatWritten *prometheus.CounterVec
-	outboxPending    prometheus.Gauge
-	outboxDelivered  prometheus.Counter
-	outboxFailed     prometheus.Counter
-	outboxDead       prometheus.Counter
-	outboxLatency    prometheus.Histogram
-	sseStreams       prometheus.Gauge
-	sseDropped       prometheus.Counter
-	ordersCreated    *prometheus.CounterVec
+	state             *prometheus.GaugeVec
+	stateChanges      *prometheus.CounterVec
+	phaseDuration     *prometheus.GaugeVec
+	startupDuration   prometheus.Gauge
+	shutdownStep      *prometheus.GaugeVec
+	shutdownForced    prometheus.Counter
+	httpInFlight      prometheus.Gauge
+	httpRequests      *prometheus.CounterVec
+	httpDuration      *prometheus.HistogramVec
+	readinessOK       *prometheus.GaugeVec
+	readinessProbes   *prometheus.CounterVec
+	panics            *prometheus.CounterVec
+	connectAttempts   *prometheus.CounterVec
+	heartbeatWritten  *prometheus.CounterVec
+	outboxPending     prometheus.Gauge
+	outboxDelivered   prometheus.Counter
+	outboxFailed      prometheus.Counter
+	outboxDead        prometheus.Counter
+	outboxLatency     prometheus.Histogram
+	sseStreams        prometheus.Gauge
+	sseDropped        prometheus.Counter
+	ordersCreated     *prometheus.CounterVec
+	leader            prometheus.Gauge
+	leaderTransitions prometheus.Counter
 }
 
 func newMetrics() *metrics {
@@ -172,6 +174,12 @@ func newMetrics() *metrics {
 		ordersCreated: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kumiko_orders_total", Help: "POST /api/orders outcomes: created, replayed, conflict.",
 		}, []string{"result"}),
+		leader: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kumiko_leader", Help: "1 while this instance leads (schedules the cron jobs).",
+		}),
+		leaderTransitions: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kumiko_leader_transitions_total", Help: "Times this instance became or stopped being leader.",
+		}),
 	}
 	m.registry.MustRegister(
 		collectors.NewGoCollector(),
@@ -180,7 +188,7 @@ func newMetrics() *metrics {
 		m.httpInFlight, m.httpRequests, m.httpDuration, m.readinessOK, m.readinessProbes, m.panics,
 		m.connectAttempts, m.heartbeatWritten,
 		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxLatency,
-		m.sseStreams, m.sseDropped, m.ordersCreated,
+		m.sseStreams, m.sseDropped, m.ordersCreated, m.leader, m.leaderTransitions,
 	)
 	return m
 }

@@ -261,8 +261,7 @@ func handleGetOrder(db *pgxpool.Pool) echo.HandlerFunc {
 		if err != nil || id < 1 {
 			return apiError(http.StatusBadRequest, "invalid_id", "the order id must be a positive integer")
 		}
-		o, err := scanOrder(db.QueryRow(c.Request().Context(),
-			`SELECT id, customer, items, total_cents, created_at FROM orders WHERE id = $1`, id))
+		o, err := loadOrder(c.Request().Context(), db, id)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return apiError(http.StatusNotFound, "not_found", fmt.Sprintf("no order %d", id))
 		}

@@ -56,8 +56,8 @@ func writeOutboxEvent(ctx context.Context, tx pgx.Tx, aggregateType, aggregateID
 }
 
 // outboxPoller delivers outbox events: it claims due rows with FOR UPDATE
-// SKIP LOCKED, publishes them on Redis and marks them delivered in one
-// transaction. An insert wakes it (LISTEN/NOTIFY); a slow poll is the
+// SKIP LOCKED, inserts the jobs they trigger, publishes them on Redis and
+// marks them delivered in one transaction. An insert wakes it (LISTEN/NOTIFY); a slow poll is the
 // fallback. Failed deliveries back off exponentially and die after a maximum.
 // Rows a crashed poller held are picked again by the next poller: their
 // transaction died with its connection.
@@ -70,6 +70,9 @@ type outboxPoller struct {
 	log     *logrus.Entry
 	metrics *metrics
 	onPanic func(recovered any)
+	// alsoInTx runs in every delivery transaction (the jobs the events
+	// trigger are inserted there), before the batch is published.
+	alsoInTx func(ctx context.Context, tx pgx.Tx, events []outboxEvent) error
 
 	wake chan struct{} // buffered 1: "there may be new rows"
 
@@ -80,8 +83,8 @@ type outboxPoller struct {
 }
 
 func newOutboxPoller(db *pgxpool.Pool, rdb *redis.Client, cfg outboxConfig, beat *heartbeat, beatInterval time.Duration,
-	log *logrus.Logger, m *metrics, onPanic func(recovered any)) *outboxPoller {
-	return &outboxPoller{db: db, rdb: rdb, cfg: cfg, beat: beat, beatInt: beatInterval,
+	alsoInTx func(context.Context, pgx.Tx, []outboxEvent) error, log *logrus.Logger, m *metrics, onPanic func(recovered any)) *outboxPoller {
+	return &outboxPoller{db: db, rdb: rdb, cfg: cfg, beat: beat, beatInt: beatInterval, alsoInTx: alsoInTx,
 		log: log.WithField("component", "outboxPoller"), metrics: m, onPanic: onPanic, wake: make(chan struct{}, 1)}
 }
 
@@ -300,6 +303,11 @@ func (p *outboxPoller) deliverBatch(ctx context.Context) (int, error) {
 		ids[i], seqs[i] = events[i].ID, events[i].Seq
 	}
 
+	if p.alsoInTx != nil {
+		if err := p.alsoInTx(ctx, tx, events); err != nil {
+			return 0, err
+		}
+	}
 	if err := p.publish(ctx, events); err != nil {
 		return len(events), p.recordFailure(ctx, tx, ids, attempts, err)
 	}

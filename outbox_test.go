@@ -47,7 +47,7 @@ func (f *outboxFixture) poller(t testing.TB, name string) *outboxPoller {
 	m := newMetrics()
 	rd := newReadiness(readyLifecycle(t), m, time.Second, time.Millisecond)
 	beat := newHeartbeats(f.rdb, name, 10*time.Second, m, rd).RegisterHeartbeat("outbox", "outboxPoller")
-	p := newOutboxPoller(f.db, f.rdb, f.cfg, beat, time.Second, newLogger(io.Discard, "json"), m,
+	p := newOutboxPoller(f.db, f.rdb, f.cfg, beat, time.Second, nil, newLogger(io.Discard, "json"), m,
 		func(r any) { t.Errorf("poller panicked: %v", r) })
 	t.Cleanup(func() { p.Stop(context.Background()) })
 	return p

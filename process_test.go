@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // testBinary is the service built once by TestMain, so process-level tests
@@ -259,4 +261,16 @@ func scrapeMetric(base, sample string) (float64, error) {
 		}
 	}
 	return 0, nil
+}
+
+func jsonDecode(r io.Reader, v any) error { return json.NewDecoder(r).Decode(v) }
+
+func redisClient(t testing.TB, url string) *redis.Client {
+	opts, err := redis.ParseURL(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rdb := redis.NewClient(opts)
+	t.Cleanup(func() { rdb.Close() })
+	return rdb
 }

@@ -24,6 +24,7 @@ func (a *app) connectRedis(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	a.redis = client
+	a.redisNow.Store(client)
 	a.lc.RegisterShutdownHook("redis", func(context.Context) error { return client.Close() })
 	a.health.RegisterReadinessCheck("redis", true, func(ctx context.Context) checkResult {
 		return timedCheck(ctx, ping)

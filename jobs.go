@@ -1,0 +1,287 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/labstack/echo/v4"
+	"github.com/meilisearch/meilisearch-go"
+	"github.com/minio/minio-go/v7"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/sirupsen/logrus"
+)
+
+// Job kinds. Each is a River job: durable in Postgres, retried with backoff,
+// rescued and run again when the worker running it crashed.
+const (
+	jobIndexOrder   = "indexOrder"   // order.created → the order in Meilisearch
+	jobWriteReceipt = "writeReceipt" // order.created → a sealed receipt object in S3
+	jobReport       = "report"       // cron (leader only) or manual → a report object in S3
+	jobSleep        = "sleep"        // manual: takes ms milliseconds, to watch a job survive a drain or a crash
+)
+
+type indexOrderArgs struct {
+	OrderID int64 `json:"orderId"`
+}
+
+func (indexOrderArgs) Kind() string { return jobIndexOrder }
+
+type writeReceiptArgs struct {
+	OrderID int64 `json:"orderId"`
+}
+
+func (writeReceiptArgs) Kind() string { return jobWriteReceipt }
+
+// reportArgs is one report. ScheduledAt is unique: two leaders (or a leader
+// and its stale predecessor) can never enqueue the same cron tick twice.
+type reportArgs struct {
+	ScheduledAt  time.Time `json:"scheduledAt" river:"unique"`
+	FencingToken int64     `json:"fencingToken,omitempty"`
+	Manual       bool      `json:"manual,omitempty"`
+}
+
+func (reportArgs) Kind() string { return jobReport }
+
+type sleepArgs struct {
+	Ms int `json:"ms"`
+}
+
+func (sleepArgs) Kind() string { return jobSleep }
+
+func (reportArgs) InsertOpts() river.InsertOpts {
+	return river.InsertOpts{UniqueOpts: river.UniqueOpts{ByArgs: true}}
+}
+
+// jobs is the River client and what the rest of the process asks of it:
+// the jobs an event triggers, and the jobs an operator may run by hand.
+type jobs struct {
+	client      *river.Client[pgx.Tx]
+	subscribers map[string][]string // event type → job kinds, from the feature graph
+}
+
+// jobDeps is what the workers use; search and storage may be nil (not configured).
+type jobDeps struct {
+	db        *pgxpool.Pool
+	search    meilisearch.ServiceManager
+	storage   *minio.Client
+	bucket    string
+	masterKey *masterKey
+	log       *logrus.Entry
+}
+
+// newJobs creates the River client without starting it: the outbox poller
+// (phase 13) inserts jobs before the worker starts (phase 14).
+func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, logFormat string) (*jobs, error) {
+	workers := river.NewWorkers()
+	river.AddWorker(workers, river.WorkFunc(d.indexOrder))
+	river.AddWorker(workers, river.WorkFunc(d.writeReceipt))
+	river.AddWorker(workers, river.WorkFunc(d.writeReport))
+	river.AddWorker(workers, river.WorkFunc(sleepJob))
+	client, err := river.NewClient(riverpgxv5.New(d.db), &river.Config{
+		ID:                   instanceID,
+		Queues:               map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: int(cfg.Workers)}},
+		Workers:              workers,
+		FetchPollInterval:    cfg.PollInterval,
+		JobTimeout:           cfg.Timeout,
+		RescueStuckJobsAfter: cfg.RescueAfter,
+		Logger:               riverLogger(d.log, logFormat),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("creating the River client: %w", err)
+	}
+	subscribers := map[string][]string{}
+	for _, f := range features {
+		for _, s := range f.subscriptions {
+			subscribers[s.event] = append(subscribers[s.event], s.job)
+		}
+	}
+	return &jobs{client: client, subscribers: subscribers}, nil
+}
+
+// riverLogger sends River's own warnings and errors to the process log's
+// output; River logs with slog.
+func riverLogger(log *logrus.Entry, format string) *slog.Logger {
+	opts := &slog.HandlerOptions{Level: slog.LevelWarn}
+	if format == "json" {
+		return slog.New(slog.NewJSONHandler(log.Logger.Out, opts)).With("component", "river")
+	}
+	return slog.New(slog.NewTextHandler(log.Logger.Out, opts)).With("component", "river")
+}
+
+// insertForEvents inserts the jobs the delivered events trigger, in the
+// delivery's transaction: an event is marked delivered exactly when its jobs exist.
+func (j *jobs) insertForEvents(ctx context.Context, tx pgx.Tx, events []outboxEvent) error {
+	var params []river.InsertManyParams
+	for _, ev := range events {
+		for _, kind := range j.subscribers[ev.Type] {
+			args, err := jobForEvent(kind, ev)
+			if err != nil {
+				return err
+			}
+			params = append(params, river.InsertManyParams{Args: args})
+		}
+	}
+	if len(params) == 0 {
+		return nil
+	}
+	if _, err := j.client.InsertManyTx(ctx, tx, params); err != nil {
+		return fmt.Errorf("inserting %d jobs: %w", len(params), err)
+	}
+	return nil
+}
+
+func jobForEvent(kind string, ev outboxEvent) (river.JobArgs, error) {
+	id, err := strconv.ParseInt(ev.AggregateID, 10, 64)
+	if err != nil {
+		return nil, fmt.Errorf("event %d: aggregate id %q is not an order id", ev.ID, ev.AggregateID)
+	}
+	switch kind {
+	case jobIndexOrder:
+		return indexOrderArgs{OrderID: id}, nil
+	case jobWriteReceipt:
+		return writeReceiptArgs{OrderID: id}, nil
+	}
+	return nil, fmt.Errorf("job %s cannot be triggered by event %s", kind, ev.Type)
+}
+
+// Start starts working jobs (phase 14). River keeps running until the
+// context given to Start ends; the phase's context ends with the phase, so
+// River gets a detached one and lives until Stop.
+func (j *jobs) Start(ctx context.Context) error { return j.client.Start(context.WithoutCancel(ctx)) }
+
+// Stop lets running jobs finish within ctx (River's soft stop), then cancels
+// what still runs (hard stop). A cancelled job is not lost: River retries it
+// later, here or on another instance. Stop of an unstarted client returns at once.
+func (j *jobs) Stop(ctx context.Context) error {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		return j.client.Stop(ctx)
+	}
+	// Keep a fifth of the slice (up to a second) for the hard stop.
+	soft, cancel := context.WithDeadline(ctx, deadline.Add(-min(time.Second, time.Until(deadline)/5)))
+	defer cancel()
+	if err := j.client.Stop(soft); err == nil {
+		return nil
+	}
+	if err := j.client.StopAndCancel(ctx); err != nil {
+		return fmt.Errorf("hard stop of the jobs worker: %w", err)
+	}
+	return errors.New("jobs still running at the end of the soft stop were cancelled; River will run them again")
+}
+
+// handleRunJob is POST /admin/jobs/:name/run: run a job by hand, now, on
+// whichever instance's worker picks it up.
+func handleRunJob(jobsNow func() *jobs) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		j := jobsNow()
+		if j == nil {
+			return apiError(http.StatusServiceUnavailable, "starting", "the jobs worker is not created yet")
+		}
+		var args river.JobArgs
+		switch c.Param("name") {
+		case jobReport:
+			args = reportArgs{ScheduledAt: time.Now().UTC(), Manual: true}
+		case jobSleep:
+			ms, err := strconv.Atoi(c.QueryParam("ms"))
+			if err != nil || ms < 0 || ms > int(maxSlowRequest.Milliseconds()) {
+				return apiError(http.StatusBadRequest, "invalid_ms", fmt.Sprintf("ms must be an integer from 0 to %d", maxSlowRequest.Milliseconds()))
+			}
+			args = sleepArgs{Ms: ms}
+		default:
+			return apiError(http.StatusNotFound, "unknown_job", "jobs that can be run by hand: "+jobReport+", "+jobSleep)
+		}
+		res, err := j.client.Insert(c.Request().Context(), args, nil)
+		if err != nil {
+			return fmt.Errorf("inserting job %s: %w", args.Kind(), err)
+		}
+		return c.JSON(http.StatusAccepted, map[string]any{"job": args.Kind(), "id": res.Job.ID})
+	}
+}
+
+// ---------------------------------------------------------------------------
+// Workers. Each must be idempotent: River runs a job again after a crash.
+
+// indexOrder puts the order into the Meilisearch index (replacing any earlier copy).
+func (d jobDeps) indexOrder(ctx context.Context, job *river.Job[indexOrderArgs]) error {
+	if d.search == nil {
+		return nil // search not configured: nothing to index into
+	}
+	o, err := loadOrder(ctx, d.db, job.Args.OrderID)
+	if err != nil {
+		return err
+	}
+	pk := "id"
+	if _, err := d.search.Index(ordersIndex).AddDocuments(ctx, []order{o}, &meilisearch.DocumentOptions{PrimaryKey: &pk}); err != nil {
+		return fmt.Errorf("indexing order %d: %w", o.ID, err)
+	}
+	return nil
+}
+
+// writeReceipt stores the order's receipt in S3, sealed with the master key:
+// the object store never sees a customer's order in the clear.
+func (d jobDeps) writeReceipt(ctx context.Context, job *river.Job[writeReceiptArgs]) error {
+	if d.storage == nil {
+		return nil
+	}
+	o, err := loadOrder(ctx, d.db, job.Args.OrderID)
+	if err != nil {
+		return err
+	}
+	plain, _ := json.Marshal(o)
+	name := fmt.Sprintf("receipts/%d.sealed", o.ID)
+	sealed := d.masterKey.seal(plain, []byte(name))
+	_, err = d.storage.PutObject(ctx, d.bucket, name, bytes.NewReader(sealed), int64(len(sealed)),
+		minio.PutObjectOptions{ContentType: "application/octet-stream", UserMetadata: map[string]string{"Key-Id": d.masterKey.id}})
+	if err != nil {
+		return fmt.Errorf("writing %s: %w", name, err)
+	}
+	return nil
+}
+
+// writeReport counts the orders so far and stores the count as
+// reports/<scheduled time>.json (the same tick always writes the same object).
+func (d jobDeps) writeReport(ctx context.Context, job *river.Job[reportArgs]) error {
+	var orders, pending int64
+	err := d.db.QueryRow(ctx, `SELECT (SELECT count(*) FROM orders),
+		(SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL AND dead_at IS NULL)`).Scan(&orders, &pending)
+	if err != nil {
+		return fmt.Errorf("counting for the report: %w", err)
+	}
+	report, _ := json.Marshal(map[string]any{"scheduledAt": job.Args.ScheduledAt, "manual": job.Args.Manual,
+		"orders": orders, "pendingEvents": pending, "fencingToken": job.Args.FencingToken})
+	if d.storage == nil {
+		d.log.WithField("report", string(report)).Info("report (no S3 configured)")
+		return nil
+	}
+	name := "reports/" + job.Args.ScheduledAt.UTC().Format(time.RFC3339Nano) + ".json"
+	_, err = d.storage.PutObject(ctx, d.bucket, name, bytes.NewReader(report), int64(len(report)),
+		minio.PutObjectOptions{ContentType: "application/json"})
+	if err != nil {
+		return fmt.Errorf("writing %s: %w", name, err)
+	}
+	return nil
+}
+
+// sleepJob takes its time, honouring cancellation: a hard stop cancels it and
+// River runs it again later, here or elsewhere.
+func sleepJob(ctx context.Context, job *river.Job[sleepArgs]) error {
+	return sleepCtx(ctx, time.Duration(job.Args.Ms)*time.Millisecond)
+}
+
+func loadOrder(ctx context.Context, db *pgxpool.Pool, id int64) (order, error) {
+	o, err := scanOrder(db.QueryRow(ctx, `SELECT id, customer, items, total_cents, created_at FROM orders WHERE id = $1`, id))
+	if err != nil {
+		return order{}, fmt.Errorf("loading order %d: %w", id, err)
+	}
+	return o, nil
+}

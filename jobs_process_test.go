@@ -1,0 +1,317 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"net/http"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+const testAdminToken = "test-admin-token-0123456789"
+
+// leaderEnv is fastEnv with leadership, heartbeats and cron shrunk to
+// fractions of a second (the cron tick: every second, robfig's minimum).
+func leaderEnv(t *testing.T) map[string]string {
+	env := fastEnv(t)
+	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
+	env["KUMIKO_LEADER_LOCK_TTL"] = "1s"
+	env["KUMIKO_LEADER_RENEW_INTERVAL"] = "250ms"
+	env["KUMIKO_HEARTBEAT_INTERVAL"] = "200ms"
+	env["KUMIKO_HEARTBEAT_TTL"] = "1s"
+	env["KUMIKO_REPORT_CRON"] = "@every 1s"
+	env["KUMIKO_JOBS_POLL_INTERVAL"] = "100ms"
+	return env
+}
+
+func startAs(t *testing.T, env map[string]string, id string) *proc {
+	e := maps.Clone(env)
+	e["KUMIKO_INSTANCE_ID"] = id
+	return startProc(t, e)
+}
+
+// leaderOf waits for a "became leader" line; it returns when it was logged.
+func becameLeader(p *proc, timeout time.Duration) time.Time {
+	p.t.Helper()
+	l := p.waitLog(timeout, map[string]any{"component": "leader", "msg": "became leader"})
+	at, _ := time.Parse(time.RFC3339Nano, l["time"].(string))
+	return at
+}
+
+func isLeader(t *testing.T, ops string) bool {
+	v, err := scrapeMetric(ops, "kumiko_leader")
+	return err == nil && v == 1
+}
+
+// ticks counts report jobs per scheduled time.
+func ticks(t *testing.T, pool *pgxpool.Pool) map[string]int {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), `SELECT args->>'scheduledAt', count(*) FROM river_job
+		WHERE kind = 'report' AND NOT coalesce((args->>'manual')::boolean, false) GROUP BY 1`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]int{}
+	for rows.Next() {
+		var at string
+		var n int
+		rows.Scan(&at, &n)
+		out[at] = n
+	}
+	return out
+}
+
+func assertNoDuplicateTicks(t *testing.T, pool *pgxpool.Pool) map[string]int {
+	t.Helper()
+	got := ticks(t, pool)
+	for at, n := range got {
+		if n != 1 {
+			t.Errorf("tick %s enqueued %d times", at, n)
+		}
+	}
+	return got
+}
+
+// 1. Two instances: exactly one leader, and every cron tick is enqueued and
+// run exactly once.
+func TestProcessOneLeaderEachTickOnce(t *testing.T) {
+	env := leaderEnv(t)
+	a, b := startAs(t, env, "a"), startAs(t, env, "b")
+	opsA, _ := a.waitReady()
+	opsB, _ := b.waitReady()
+	pool := sharedPool(t, env)
+
+	waitFor(t, 10*time.Second, "four ticks", func() bool { return len(ticks(t, pool)) >= 4 })
+	if isLeader(t, opsA) == isLeader(t, opsB) {
+		t.Fatalf("want exactly one leader: a %v, b %v", isLeader(t, opsA), isLeader(t, opsB))
+	}
+	waitFor(t, 5*time.Second, "every tick older than a second to have run", func() bool {
+		var open int
+		pool.QueryRow(context.Background(), `SELECT count(*) FROM river_job WHERE kind = 'report' AND state <> 'completed'
+			AND created_at < now() - interval '1 second'`).Scan(&open)
+		return open == 0
+	})
+	assertNoDuplicateTicks(t, pool)
+}
+
+// 2. kill -9 of the leader: the follower leads within the TTL plus one renew interval.
+func TestProcessLeaderKill9Failover(t *testing.T) {
+	env := leaderEnv(t)
+	a := startAs(t, env, "a")
+	becameLeader(a, 10*time.Second) // a leads: it started alone
+	b := startAs(t, env, "b")
+	b.waitReady()
+	pool := sharedPool(t, env)
+
+	killed := time.Now()
+	a.cmd.Process.Kill()
+	b.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "became leader"})
+	failover := time.Since(killed)
+	t.Logf("failover after kill -9: %s", failover)
+	if failover > time.Second+250*time.Millisecond+time.Second { // TTL + renew + margin for a loaded machine
+		t.Errorf("failover took %s with a 1s TTL and 250ms renew interval", failover)
+	}
+	before := len(ticks(t, pool))
+	waitFor(t, 5*time.Second, "ticks to continue under the new leader", func() bool { return len(ticks(t, pool)) >= before+2 })
+	assertNoDuplicateTicks(t, pool)
+}
+
+// 3. SIGTERM of the leader: it deletes its own key and tells the follower,
+// which leads at once instead of after the TTL.
+func TestProcessLeaderSIGTERMHandsOver(t *testing.T) {
+	env := leaderEnv(t)
+	env["KUMIKO_LEADER_LOCK_TTL"] = "10s" // expiry would take 10s: a fast take-over proves the hand-over
+	env["KUMIKO_LEADER_RENEW_INTERVAL"] = "3s"
+	env["KUMIKO_LINGER"] = "0"
+	a := startAs(t, env, "a")
+	becameLeader(a, 10*time.Second)
+	b := startAs(t, env, "b")
+	b.waitReady()
+
+	stopped := time.Now()
+	a.signal(syscall.SIGTERM)
+	b.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "became leader"})
+	handover := time.Since(stopped)
+	t.Logf("hand-over after SIGTERM: %s", handover)
+	if handover > 1500*time.Millisecond {
+		t.Errorf("hand-over took %s; the TTL is 10s, the release should make it immediate", handover)
+	}
+	if code := a.wait(10 * time.Second); code != 0 {
+		t.Fatalf("old leader exited %d", code)
+	}
+	a.waitLog(time.Second, map[string]any{"component": "leader", "msg": "stopped leading", "reason": "shutdown"})
+}
+
+// 4. Split brain: the leader is frozen past its TTL, the follower takes over,
+// the old one wakes up. It cannot renew or delete the new leader's key, stops
+// scheduling, and no tick is enqueued twice.
+func TestProcessSplitBrainIsFenced(t *testing.T) {
+	env := leaderEnv(t)
+	a := startAs(t, env, "a")
+	becameLeader(a, 10*time.Second)
+	b := startAs(t, env, "b")
+	b.waitReady()
+	pool := sharedPool(t, env)
+
+	a.signal(syscall.SIGSTOP)
+	b.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "became leader"})
+	time.Sleep(1500 * time.Millisecond) // b schedules a tick or two while a sleeps through them
+	a.signal(syscall.SIGCONT)
+
+	stale := a.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "stopped leading"})
+	if r := stale["reason"]; r != "renew deadline passed" && r != "lock lost" {
+		t.Errorf("the stale leader stopped for %v", r)
+	}
+	time.Sleep(2 * time.Second) // a would be scheduling now, if it still believed it led
+	if isLeader(t, b.addr("ops")) != true || isLeader(t, a.addr("ops")) {
+		t.Fatal("after the split brain, b must lead and a must not")
+	}
+	leader, _ := currentLeaderFromPool(t, env)
+	if leader != "b" {
+		t.Fatalf("the lock is held by %q, want b", leader)
+	}
+	got := assertNoDuplicateTicks(t, pool)
+	t.Logf("split brain: %d ticks, none duplicated", len(got))
+}
+
+func currentLeaderFromPool(t *testing.T, env map[string]string) (string, error) {
+	rdb := redisClient(t, env["REDIS_URL"])
+	return currentLeader(context.Background(), rdb)
+}
+
+// 6. SIGTERM while jobs run: a short one finishes within the drain; one longer
+// than the budget is stopped, stays durable, and runs again later.
+func TestProcessJobsAcrossADrain(t *testing.T) {
+	env := leaderEnv(t)
+	env["KUMIKO_LINGER"] = "0"
+	env["KUMIKO_DRAIN_TIMEOUT"] = "200ms"
+	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "1500ms"
+	a := startAs(t, env, "a")
+	opsA, _ := a.waitReady()
+	pool := sharedPool(t, env)
+	short := runJob(t, opsA, "sleep", "ms=300")
+	long := runJob(t, opsA, "sleep", "ms=3000")
+	waitFor(t, 5*time.Second, "both jobs running", func() bool {
+		return jobState(t, pool, short) == "running" && jobState(t, pool, long) == "running"
+	})
+	a.signal(syscall.SIGTERM)
+	a.wait(5 * time.Second)
+	if s := jobState(t, pool, short); s != "completed" {
+		t.Errorf("the short job is %s after the drain, want completed", s)
+	}
+	if s := jobState(t, pool, long); s == "completed" || s == "discarded" || s == "cancelled" {
+		t.Fatalf("the long job is %s after the drain, want it kept for another run", s)
+	}
+	b := startAs(t, env, "b")
+	b.waitReady()
+	// River retries it after its backoff (a few seconds for a first retry).
+	waitFor(t, 30*time.Second, "the stopped job to run again and complete", func() bool { return jobState(t, pool, long) == "completed" })
+}
+
+// 5. A job running on an instance that is killed -9 is rescued and completes
+// on the other instance. River rescues after KUMIKO_JOBS_RESCUE_AFTER; its
+// rescuer looks every 30s, so this test takes that long.
+func TestProcessJobOfCrashedWorkerIsRescued(t *testing.T) {
+	env := leaderEnv(t)
+	env["KUMIKO_JOBS_TIMEOUT"] = "1500ms"
+	env["KUMIKO_JOBS_RESCUE_AFTER"] = "2s"
+	a := startAs(t, env, "a")
+	opsA, _ := a.waitReady()
+	pool := sharedPool(t, env)
+	id := runJob(t, opsA, "sleep", "ms=1000")
+	waitFor(t, 5*time.Second, "the job running on a", func() bool { return jobState(t, pool, id) == "running" })
+	a.cmd.Process.Kill()
+	a.wait(5 * time.Second)
+
+	b := startAs(t, env, "b")
+	b.waitReady()
+	waitFor(t, 60*time.Second, "the rescued job to complete on b", func() bool { return jobState(t, pool, id) == "completed" })
+	var attempts int
+	pool.QueryRow(context.Background(), `SELECT attempt FROM river_job WHERE id = $1`, id).Scan(&attempts)
+	if attempts < 2 {
+		t.Errorf("the rescued job completed after %d attempts, want a second one", attempts)
+	}
+}
+
+// 7. Heartbeats appear while running, are listed for every instance, are
+// removed on a clean stop and expire after kill -9.
+func TestProcessHeartbeatsAcrossInstances(t *testing.T) {
+	env := leaderEnv(t)
+	a, b := startAs(t, env, "a"), startAs(t, env, "b")
+	opsA, _ := a.waitReady()
+	b.waitReady()
+	workers := func() map[string]bool {
+		code, _, body := adminGet(t, opsA, "/admin/workers")
+		if code != 200 {
+			t.Fatalf("/admin/workers = %d %v", code, body)
+		}
+		out := map[string]bool{}
+		for _, w := range body["workers"].([]any) {
+			w := w.(map[string]any)
+			out[fmt.Sprint(w["worker"], ":", w["instanceId"])] = true
+		}
+		return out
+	}
+	waitFor(t, 5*time.Second, "outbox and jobs heartbeats of both and the scheduler's", func() bool {
+		w := workers()
+		return w["outbox:a"] && w["outbox:b"] && w["jobs:a"] && w["jobs:b"] && (w["scheduler:a"] != w["scheduler:b"])
+	})
+	if age, err := scrapeMetric(opsA, `kumiko_worker_heartbeat_age_seconds{worker="outbox"}`); err != nil || age > 1 {
+		t.Errorf("outbox heartbeat age %v (%v)", age, err)
+	}
+
+	b.signal(syscall.SIGTERM)
+	b.wait(10 * time.Second)
+	if w := workers(); w["outbox:b"] || w["jobs:b"] || w["scheduler:b"] {
+		t.Errorf("b's heartbeats outlived its clean stop: %v", w)
+	}
+	c := startAs(t, env, "c")
+	opsC, _ := c.waitReady()
+	a.cmd.Process.Kill()
+	a.wait(5 * time.Second)
+	opsA = opsC
+	waitFor(t, 3*time.Second, "a's heartbeats to expire after kill -9", func() bool {
+		w := workers()
+		return !w["outbox:a"] && !w["jobs:a"]
+	})
+}
+
+func runJob(t *testing.T, ops, name, query string) int64 {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, ops+"/admin/jobs/"+name+"/run?"+query, nil)
+	req.Header.Set("Authorization", "Bearer "+testAdminToken)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var body struct{ ID int64 }
+	if err := jsonDecode(resp.Body, &body); err != nil || resp.StatusCode != 202 {
+		t.Fatalf("running job %s: %d %v", name, resp.StatusCode, err)
+	}
+	return body.ID
+}
+
+func jobState(t *testing.T, pool *pgxpool.Pool, id int64) string {
+	var state string
+	pool.QueryRow(context.Background(), `SELECT state FROM river_job WHERE id = $1`, id).Scan(&state)
+	return state
+}
+
+func adminGet(t *testing.T, ops, path string) (int, http.Header, map[string]any) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, ops+path, nil)
+	req.Header.Set("Authorization", "Bearer "+testAdminToken)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body := map[string]any{}
+	jsonDecode(resp.Body, &body)
+	return resp.StatusCode, resp.Header, body
+}
