@@ -192,7 +192,9 @@ func (a *app) startJobsWorker(ctx context.Context, p *phaseRun) error {
 	}
 	jobsBeat := newBeatLoop(a.heartbeats.RegisterHeartbeat("jobs", "jobsWorker"), a.cfg.Lifecycle.Heartbeat.Interval,
 		a.log.WithField("component", "jobs"))
-	jobsBeat.Start()
+	if err := jobsBeat.Start(ctx); err != nil {
+		return err
+	}
 	a.lc.RegisterShutdownHook("jobsHeartbeat", jobsBeat.Stop)
 
 	le := a.cfg.Lifecycle.LeaderElection

@@ -70,30 +70,41 @@ type beatLoop struct {
 }
 
 func newBeatLoop(beat *heartbeat, interval time.Duration, log *logrus.Entry) *beatLoop {
-	return &beatLoop{beat: beat, interval: interval, log: log, stopping: make(chan struct{}), done: make(chan struct{})}
+	return &beatLoop{beat: beat, interval: interval, log: log, stopping: make(chan struct{})}
 }
 
-func (b *beatLoop) Start() {
+// Start writes the first beat synchronously — readiness must not see a
+// worker without one — then beats from its goroutine.
+func (b *beatLoop) Start(ctx context.Context) error {
+	if err := b.beat.beat(ctx); err != nil {
+		return err
+	}
+	b.done = make(chan struct{})
 	go func() {
 		defer close(b.done)
 		tick := time.NewTicker(b.interval)
 		defer tick.Stop()
 		for {
-			ctx, cancel := context.WithTimeout(context.Background(), b.interval)
-			if err := b.beat.beat(ctx); err != nil {
-				b.log.WithError(err).Warn("heartbeat")
-			}
-			cancel()
 			select {
 			case <-b.stopping:
 				return
 			case <-tick.C:
 			}
+			ctx, cancel := context.WithTimeout(context.Background(), b.interval)
+			if err := b.beat.beat(ctx); err != nil {
+				b.log.WithError(err).Warn("heartbeat")
+			}
+			cancel()
 		}
 	}()
+	return nil
 }
 
+// Stop ends the loop and waits for it; without Start it returns at once.
 func (b *beatLoop) Stop(ctx context.Context) error {
+	if b.done == nil {
+		return nil
+	}
 	select {
 	case <-b.stopping:
 	default:
