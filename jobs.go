@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -67,6 +66,7 @@ func (reportArgs) InsertOpts() river.InsertOpts {
 type jobs struct {
 	client      *river.Client[pgx.Tx]
 	subscribers map[string][]string // event type → job kinds, from the feature graph
+	log         *logrus.Entry
 }
 
 // jobDeps is what the workers use; search and storage may be nil (not configured).
@@ -105,7 +105,7 @@ func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, l
 			subscribers[s.event] = append(subscribers[s.event], s.job)
 		}
 	}
-	return &jobs{client: client, subscribers: subscribers}, nil
+	return &jobs{client: client, subscribers: subscribers, log: d.log}, nil
 }
 
 // riverLogger sends River's own warnings and errors to the process log's
@@ -161,7 +161,8 @@ func (j *jobs) Start(ctx context.Context) error { return j.client.Start(context.
 
 // Stop lets running jobs finish within ctx (River's soft stop), then cancels
 // what still runs (hard stop). A cancelled job is not lost: River retries it
-// later, here or on another instance. Stop of an unstarted client returns at once.
+// later, here or on another instance — so, like a force-closed request, it is
+// a warning, not a failed shutdown. Stop of an unstarted client returns at once.
 func (j *jobs) Stop(ctx context.Context) error {
 	deadline, ok := ctx.Deadline()
 	if !ok {
@@ -176,7 +177,8 @@ func (j *jobs) Stop(ctx context.Context) error {
 	if err := j.client.StopAndCancel(ctx); err != nil {
 		return fmt.Errorf("hard stop of the jobs worker: %w", err)
 	}
-	return errors.New("jobs still running at the end of the soft stop were cancelled; River will run them again")
+	j.log.Warn("jobs still running at the end of the soft stop were cancelled; River will run them again")
+	return nil
 }
 
 // handleRunJob is POST /admin/jobs/:name/run: run a job by hand, now, on

@@ -29,7 +29,7 @@ func twoInstances(t *testing.T, tweak func(env map[string]string)) (a, b *proc, 
 	return start("a"), start("b"), shared
 }
 
-func sharedPool(t *testing.T, env map[string]string) *pgxpool.Pool {
+func sharedPool(t testing.TB, env map[string]string) *pgxpool.Pool {
 	t.Helper()
 	pool, err := pgxpool.New(context.Background(), env["DATABASE_URL"])
 	if err != nil {
@@ -222,7 +222,7 @@ func postQuiet(url, body string) (int, error) {
 	return resp.StatusCode, nil
 }
 
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()
 	for deadline := time.Now().Add(timeout); !cond(); time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {

@@ -72,7 +72,7 @@ func fastEnv(t testing.TB) map[string]string {
 
 // proc is the service running as a child process.
 type proc struct {
-	t      *testing.T
+	t      testing.TB
 	cmd    *exec.Cmd
 	stderr bytes.Buffer
 	exited chan struct{}
@@ -83,7 +83,7 @@ type proc struct {
 	grew  chan struct{} // closed and replaced whenever a log line arrives
 }
 
-func startProc(t *testing.T, env map[string]string, args ...string) *proc {
+func startProc(t testing.TB, env map[string]string, args ...string) *proc {
 	t.Helper()
 	cmd := exec.Command(testBinary, args...)
 	cmd.Dir = t.TempDir() // no kumiko.config.yaml there: the environment is the whole config
