@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/redis/go-redis/v9"
 	"github.com/sirupsen/logrus"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // ---------------------------------------------------------------------------
@@ -42,14 +43,14 @@ func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, adminT
 // addAPIRoutes serves the features on the API listener (bound in phase 15).
 // Requests are measured and counted in flight; streams are not, because the
 // drain ends them instead of waiting for them.
-func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature, m *metrics, inFlight *atomic.Int64) {
+func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature, m *metrics, inFlight *atomic.Int64, tracer trace.Tracer) {
 	e.GET("/health", handleLive())
 	e.GET("/health/ready", handleReady(rd))
 	for _, f := range features {
 		for _, r := range f.routes {
 			chain := []echo.MiddlewareFunc{admitWhenServing(lc)}
 			if !r.streaming {
-				chain = append(chain, observeRequests(m), trackInFlight(inFlight, m))
+				chain = append(chain, observeRequests(m), trackInFlight(inFlight, m), traceRequests(tracer))
 			}
 			e.Add(r.method, r.path, r.handler(), chain...)
 		}

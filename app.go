@@ -148,7 +148,7 @@ func (a *app) listenAPI(ctx context.Context, p *phaseRun) error {
 	a.lc.RegisterShutdownHook("sseHub", hub.Stop)
 
 	e := newEcho(a.log, a.metrics, "api")
-	addAPIRoutes(e, a.lc, a.health, a.features, a.metrics, &a.inFlight)
+	addAPIRoutes(e, a.lc, a.health, a.features, a.metrics, &a.inFlight, a.tracing.tracer)
 	api, err := listenHTTP("api", a.cfg.HTTPAddr, e, a.log, a.serverFailed)
 	if err != nil {
 		return err
@@ -165,7 +165,7 @@ func (a *app) listenAPI(ctx context.Context, p *phaseRun) error {
 func (a *app) startOutboxPoller(ctx context.Context, p *phaseRun) error {
 	j, err := newJobs(jobDeps{db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket,
 		masterKey: a.masterKey, log: a.log.WithField("component", "jobs")},
-		a.cfg.Jobs, a.cfg.InstanceID, a.features, a.cfg.LogFormat)
+		a.cfg.Jobs, a.cfg.InstanceID, a.features, a.cfg.LogFormat, a.tracing.tracer, a.metrics)
 	if err != nil {
 		return err
 	}
@@ -180,6 +180,7 @@ func (a *app) startOutboxPoller(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	a.lc.RegisterShutdownHook("outboxPoller", poller.Stop)
+	a.bus.subscribe(eventStateChanged, recordStateChanges(a.db, a.log.WithField("component", "events")))
 	return nil
 }
 

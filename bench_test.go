@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"os/exec"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -72,19 +73,25 @@ func reportMedian(b *testing.B, name string, samples []time.Duration) {
 	b.ReportMetric(float64(samples[len(samples)-1].Microseconds())/1000, name+"-max-ms")
 }
 
+// timeBoot starts the service, times process start → readiness 200, and stops it.
+func timeBoot(b *testing.B, env map[string]string, ops string) time.Duration {
+	cmd := benchCmd(env)
+	start := time.Now()
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	waitReady200(b, ops)
+	took := time.Since(start)
+	cmd.Process.Signal(syscall.SIGTERM)
+	cmd.Wait()
+	return took
+}
+
 func BenchmarkLifecycleBootToReady(b *testing.B) {
 	env, ops := benchEnv(b)
 	var boots []time.Duration
 	for b.Loop() {
-		cmd := benchCmd(env)
-		start := time.Now()
-		if err := cmd.Start(); err != nil {
-			b.Fatal(err)
-		}
-		waitReady200(b, ops)
-		boots = append(boots, time.Since(start))
-		cmd.Process.Signal(syscall.SIGTERM)
-		cmd.Wait()
+		boots = append(boots, timeBoot(b, env, ops))
 	}
 	reportMedian(b, "boot", boots)
 }
@@ -149,4 +156,43 @@ func dbProbes(b *testing.B, ops string) float64 {
 		b.Fatal(err)
 	}
 	return v
+}
+
+// BenchmarkTracingOverhead compares boot time and POST /api/orders latency
+// with traces exported to a real OTLP/HTTP receiver and with the noop provider.
+//
+//	go test -run '^$' -bench TracingOverhead -benchtime 200x .
+func BenchmarkTracingOverhead(b *testing.B) {
+	for _, mode := range []string{"off", "on"} {
+		b.Run("tracing="+mode, func(b *testing.B) {
+			env, ops := benchEnv(b)
+			if mode == "on" {
+				env["OTEL_EXPORTER_OTLP_ENDPOINT"] = newOTLPReceiver(b).srv.URL
+			}
+			var boots []time.Duration
+			for range 5 {
+				boots = append(boots, timeBoot(b, env, ops))
+			}
+
+			cmd := benchCmd(env)
+			if err := cmd.Start(); err != nil {
+				b.Fatal(err)
+			}
+			defer func() { cmd.Process.Signal(syscall.SIGTERM); cmd.Wait() }()
+			waitReady200(b, ops)
+			api := "http://" + env["KUMIKO_HTTP_ADDR"] + "/api/orders"
+			var lat []time.Duration
+			for b.Loop() {
+				start := time.Now()
+				resp, err := http.Post(api, "application/json", strings.NewReader(validOrder))
+				if err != nil || resp.StatusCode != 201 {
+					b.Fatalf("POST: %v %v", err, resp)
+				}
+				resp.Body.Close()
+				lat = append(lat, time.Since(start))
+			}
+			reportMedian(b, "post", lat)
+			reportMedian(b, "boot", boots) // after the loop: b.Loop's timer reset clears reported metrics
+		})
+	}
 }

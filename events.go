@@ -3,12 +3,19 @@ package main
 import (
 	"context"
 	"sync"
+	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/sirupsen/logrus"
 )
 
-// Event types published on the in-process bus.
-const eventStateChanged = "lifecycle.state.changed"
+// Event types: lifecycle.state.changed on the in-process bus;
+// instance.state_changed is its durable twin in the outbox, for SSE clients.
+const (
+	eventStateChanged         = "lifecycle.state.changed"
+	eventInstanceStateChanged = "instance.state_changed"
+)
 
 // event is one in-process event. Durable, cross-instance events go through the
 // outbox instead; this bus is for reacting inside the process.
@@ -61,4 +68,26 @@ func (b *eventBus) deliver(ctx context.Context, ev event, fn func(context.Contex
 		}
 	}()
 	fn(ctx, ev)
+}
+
+// recordStateChanges is the demo's reaction to lifecycle.state.changed: an
+// outbox event, so the SSE clients of every instance watch this one become
+// ready and start draining. Stopped is not recorded: the pool is closed then.
+// A state change must never hang on the database, hence the short timeout.
+func recordStateChanges(db *pgxpool.Pool, log *logrus.Entry) func(context.Context, event) {
+	return func(ctx context.Context, ev event) {
+		sc, ok := ev.Payload.(stateChanged)
+		if !ok || sc.To == StateStopped.String() {
+			return
+		}
+		ctx, cancel := context.WithTimeout(ctx, time.Second)
+		defer cancel()
+		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+			_, err := writeOutboxEvent(ctx, tx, "instance", sc.InstanceID, eventInstanceStateChanged, sc)
+			return err
+		})
+		if err != nil {
+			log.WithError(err).Warn("recording the state change")
+		}
+	}
 }

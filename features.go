@@ -48,7 +48,7 @@ func (a *app) registerFeatures() []feature {
 	return []feature{
 		{
 			name:      "lifecycle",
-			publishes: []string{eventStateChanged},
+			publishes: []string{eventStateChanged, eventInstanceStateChanged},
 		},
 		{
 			name:          "orders",

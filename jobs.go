@@ -17,7 +17,9 @@ import (
 	"github.com/minio/minio-go/v7"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivertype"
 	"github.com/sirupsen/logrus"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Job kinds. Each is a River job: durable in Postgres, retried with backoff,
@@ -66,6 +68,7 @@ func (reportArgs) InsertOpts() river.InsertOpts {
 type jobs struct {
 	client      *river.Client[pgx.Tx]
 	subscribers map[string][]string // event type → job kinds, from the feature graph
+	tracer      trace.Tracer
 	log         *logrus.Entry
 }
 
@@ -81,7 +84,7 @@ type jobDeps struct {
 
 // newJobs creates the River client without starting it: the outbox poller
 // (phase 13) inserts jobs before the worker starts (phase 14).
-func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, logFormat string) (*jobs, error) {
+func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, logFormat string, tracer trace.Tracer, m *metrics) (*jobs, error) {
 	workers := river.NewWorkers()
 	river.AddWorker(workers, river.WorkFunc(d.indexOrder))
 	river.AddWorker(workers, river.WorkFunc(d.writeReceipt))
@@ -95,6 +98,7 @@ func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, l
 		JobTimeout:           cfg.Timeout,
 		RescueStuckJobsAfter: cfg.RescueAfter,
 		Logger:               riverLogger(d.log, logFormat),
+		Middleware:           []rivertype.Middleware{traceAndCountJobs(tracer, m)},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("creating the River client: %w", err)
@@ -105,7 +109,7 @@ func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, l
 			subscribers[s.event] = append(subscribers[s.event], s.job)
 		}
 	}
-	return &jobs{client: client, subscribers: subscribers, log: d.log}, nil
+	return &jobs{client: client, subscribers: subscribers, tracer: tracer, log: d.log}, nil
 }
 
 // riverLogger sends River's own warnings and errors to the process log's
@@ -123,12 +127,17 @@ func riverLogger(log *logrus.Entry, format string) *slog.Logger {
 func (j *jobs) insertForEvents(ctx context.Context, tx pgx.Tx, events []outboxEvent) error {
 	var params []river.InsertManyParams
 	for _, ev := range events {
-		for _, kind := range j.subscribers[ev.Type] {
+		kinds := j.subscribers[ev.Type]
+		if len(kinds) == 0 {
+			continue
+		}
+		meta := deliverySpan(ctx, j.tracer, ev)
+		for _, kind := range kinds {
 			args, err := jobForEvent(kind, ev)
 			if err != nil {
 				return err
 			}
-			params = append(params, river.InsertManyParams{Args: args})
+			params = append(params, river.InsertManyParams{Args: args, InsertOpts: &river.InsertOpts{Metadata: meta}})
 		}
 	}
 	if len(params) == 0 {

@@ -162,6 +162,7 @@ type phaseRecord struct {
 	Outcome    phaseOutcome `json:"outcome"`
 	Retries    int          `json:"retries"`
 	Note       string       `json:"note,omitempty"`
+	took       time.Duration
 }
 
 // phaseRun is what a running phase can report besides its error.
@@ -221,8 +222,9 @@ func (lc *Lifecycle) runPhase(ctx context.Context, name string, timeout time.Dur
 	case p.warned:
 		outcome = outcomeWarn
 	}
-	rec := phaseRecord{Phase: name, StartedAt: start, DurationMs: time.Since(start).Milliseconds(),
-		Outcome: outcome, Retries: p.retries, Note: p.note}
+	took := time.Since(start)
+	rec := phaseRecord{Phase: name, StartedAt: start, DurationMs: took.Milliseconds(),
+		Outcome: outcome, Retries: p.retries, Note: p.note, took: took}
 	lc.record(rec, err)
 	if err != nil {
 		return fmt.Errorf("%s: %w", name, err)
@@ -323,7 +325,7 @@ func (lc *Lifecycle) phaseSpan(rec phaseRecord, err error) {
 	if err != nil {
 		span.SetStatus(codes.Error, err.Error())
 	}
-	span.End(trace.WithTimestamp(rec.StartedAt.Add(time.Duration(rec.DurationMs) * time.Millisecond)))
+	span.End(trace.WithTimestamp(rec.StartedAt.Add(rec.took)))
 }
 
 func (lc *Lifecycle) endBootSpan(to State) {

@@ -36,7 +36,7 @@ func TestMigrationModes(t *testing.T) {
 
 	p := &phaseRun{name: "migrationsCheck"}
 	err := migrationApp(t, pool, migrationsExitOnPending, 0).checkMigrations(ctx, p)
-	if err == nil || !strings.Contains(err.Error(), "pending migrations [1 2 3 4 5 6 7 8 9 10 11]") || !strings.Contains(err.Error(), "migrate up") {
+	if err == nil || !strings.Contains(err.Error(), "pending migrations [1 2 3 4 5 6 7 8 9 10 11 12]") || !strings.Contains(err.Error(), "migrate up") {
 		t.Fatalf("exit-on-pending: %v", err)
 	}
 	p = &phaseRun{name: "migrationsCheck"}
@@ -101,8 +101,8 @@ func TestSchemaBaseline(t *testing.T) {
 	if err := mg.up(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := migrationApp(t, pool, migrationsAutoApply, 12).checkSchemaBaseline(ctx, p); err == nil || !strings.Contains(err.Error(), "older than baseline 12") {
-		t.Fatalf("version 11 under baseline 12: %v", err)
+	if err := migrationApp(t, pool, migrationsAutoApply, 13).checkSchemaBaseline(ctx, p); err == nil || !strings.Contains(err.Error(), "older than baseline 13") {
+		t.Fatalf("version 12 under baseline 13: %v", err)
 	}
 	if _, err := pool.Exec(ctx, "UPDATE schema_migrations SET dirty = true"); err != nil {
 		t.Fatal(err)
@@ -123,9 +123,9 @@ func TestMigrateCommand(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"status"}, "version 0 (dirty false), binary has 11, pending [1 2 3 4 5 6 7 8 9 10 11]"},
-		{[]string{"up"}, "version 11 (dirty false), binary has 11, pending []"},
-		{[]string{"down", "11"}, "version 0 (dirty false), binary has 11, pending [1 2 3 4 5 6 7 8 9 10 11]"},
+		{[]string{"status"}, "version 0 (dirty false), binary has 12, pending [1 2 3 4 5 6 7 8 9 10 11 12]"},
+		{[]string{"up"}, "version 12 (dirty false), binary has 12, pending []"},
+		{[]string{"down", "12"}, "version 0 (dirty false), binary has 12, pending [1 2 3 4 5 6 7 8 9 10 11 12]"},
 	} {
 		out.Reset()
 		if err := run(ctx, append([]string{serviceName, "migrate"}, step.args...), getenv, &out, io.Discard); err != nil {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
+	"net/url"
 	"strings"
 	"time"
 
@@ -101,6 +103,8 @@ type metrics struct {
 	ordersCreated     *prometheus.CounterVec
 	leader            prometheus.Gauge
 	leaderTransitions prometheus.Counter
+	jobs              *prometheus.CounterVec
+	jobDuration       *prometheus.HistogramVec
 }
 
 func newMetrics() *metrics {
@@ -114,7 +118,7 @@ func newMetrics() *metrics {
 		}, []string{"from", "to"}),
 		phaseDuration: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kumiko_startup_phase_duration_seconds", Help: "How long each startup phase took in this process's boot.",
-		}, []string{"phase", "outcome"}),
+		}, []string{"phase"}),
 		startupDuration: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kumiko_startup_duration_seconds", Help: "From process start to ready.",
 		}),
@@ -180,6 +184,12 @@ func newMetrics() *metrics {
 		leaderTransitions: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kumiko_leader_transitions_total", Help: "Times this instance became or stopped being leader.",
 		}),
+		jobs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kumiko_jobs_total", Help: "Jobs worked by this instance, by kind and result.",
+		}, []string{"kind", "result"}),
+		jobDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kumiko_job_duration_seconds", Help: "How long jobs took, by kind.", Buckets: prometheus.DefBuckets,
+		}, []string{"kind"}),
 	}
 	m.registry.MustRegister(
 		collectors.NewGoCollector(),
@@ -188,7 +198,7 @@ func newMetrics() *metrics {
 		m.httpInFlight, m.httpRequests, m.httpDuration, m.readinessOK, m.readinessProbes, m.panics,
 		m.connectAttempts, m.heartbeatWritten,
 		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxLatency,
-		m.sseStreams, m.sseDropped, m.ordersCreated, m.leader, m.leaderTransitions,
+		m.sseStreams, m.sseDropped, m.ordersCreated, m.leader, m.leaderTransitions, m.jobs, m.jobDuration,
 	)
 	return m
 }
@@ -209,7 +219,7 @@ func (m *metrics) stateChanged(from, to State) {
 }
 
 func (m *metrics) phaseDone(rec phaseRecord) {
-	m.phaseDuration.WithLabelValues(rec.Phase, string(rec.Outcome)).Set(float64(rec.DurationMs) / 1000)
+	m.phaseDuration.WithLabelValues(rec.Phase).Set(rec.took.Seconds())
 }
 
 // ---------------------------------------------------------------------------
@@ -239,6 +249,21 @@ func setupTracing(ctx context.Context, getenv func(string) string, instanceID, v
 	if endpoint == "" {
 		return noopTracing(), nil
 	}
+	// The exporter connects lazily; an endpoint that is malformed or does not
+	// answer now would only fail silently at every flush. Say so at boot.
+	u, err := url.Parse(endpoint)
+	if err != nil || u.Host == "" {
+		return noopTracing(), fmt.Errorf("OTLP endpoint %q is not a URL: using the noop provider", endpoint)
+	}
+	host := u.Host
+	if u.Port() == "" {
+		host = net.JoinHostPort(u.Hostname(), map[bool]string{true: "443", false: "80"}[u.Scheme == "https"])
+	}
+	conn, err := (&net.Dialer{Timeout: 500 * time.Millisecond}).DialContext(ctx, "tcp", host)
+	if err != nil {
+		return noopTracing(), fmt.Errorf("OTLP endpoint %s does not answer (%w): using the noop provider", endpoint, err)
+	}
+	conn.Close()
 	exporter, err := otlptracehttp.New(ctx, otlptracehttp.WithEndpointURL(endpoint))
 	if err != nil {
 		return noopTracing(), fmt.Errorf("creating the OTLP/HTTP exporter for %s: %w", endpoint, err)

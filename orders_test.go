@@ -66,7 +66,7 @@ func TestOrderCreateGetAndList(t *testing.T) {
 
 	// The order and its event were written together.
 	var eventType, aggregate string
-	err := s.app.db.QueryRow(context.Background(), `SELECT event_type, aggregate_id FROM outbox_events`).Scan(&eventType, &aggregate)
+	err := s.app.db.QueryRow(context.Background(), `SELECT event_type, aggregate_id FROM outbox_events WHERE aggregate_type = 'order'`).Scan(&eventType, &aggregate)
 	if err != nil || eventType != "order.created" || aggregate != itoa(id) {
 		t.Fatalf("outbox row: %v %s %s", err, eventType, aggregate)
 	}
@@ -120,7 +120,7 @@ func TestOrderBadInput(t *testing.T) {
 			t.Errorf("GET %s = %d %v, want %d with an error body", path, code, body, want)
 		}
 	}
-	if n := countRows(t, s, "orders") + countRows(t, s, "outbox_events"); n != 0 {
+	if n := countRows(t, s, "orders") + countRows(t, s, "outbox_events WHERE aggregate_type = 'order'"); n != 0 {
 		t.Fatalf("bad input wrote %d rows", n)
 	}
 }

@@ -37,6 +37,7 @@ type outboxEvent struct {
 	AggregateID   string          `json:"aggregateId"`
 	Payload       json.RawMessage `json:"payload"`
 	CreatedAt     time.Time       `json:"createdAt"`
+	Traceparent   string          `json:"-"` // the writer's trace, continued by delivery and jobs
 }
 
 // writeOutboxEvent records an event in the caller's transaction, so the
@@ -47,8 +48,8 @@ func writeOutboxEvent(ctx context.Context, tx pgx.Tx, aggregateType, aggregateID
 		return 0, fmt.Errorf("encoding the %s payload: %w", eventType, err)
 	}
 	var id int64
-	err = tx.QueryRow(ctx, `INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
-		VALUES ($1, $2, $3, $4) RETURNING id`, aggregateType, aggregateID, eventType, body).Scan(&id)
+	err = tx.QueryRow(ctx, `INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, traceparent)
+		VALUES ($1, $2, $3, $4, NULLIF($5, '')) RETURNING id`, aggregateType, aggregateID, eventType, body, traceparentOf(ctx)).Scan(&id)
 	if err != nil {
 		return 0, fmt.Errorf("writing the %s event: %w", eventType, err)
 	}
@@ -267,7 +268,7 @@ func (p *outboxPoller) deliverBatch(ctx context.Context) (int, error) {
 	if !locked {
 		return 0, nil
 	}
-	rows, err := tx.Query(ctx, `SELECT id, event_type, aggregate_type, aggregate_id, payload, created_at, attempts
+	rows, err := tx.Query(ctx, `SELECT id, event_type, aggregate_type, aggregate_id, payload, created_at, attempts, coalesce(traceparent, '')
 		FROM outbox_events
 		WHERE delivered_at IS NULL AND dead_at IS NULL AND next_attempt_at <= now()
 		ORDER BY id LIMIT $1
@@ -280,7 +281,7 @@ func (p *outboxPoller) deliverBatch(ctx context.Context) (int, error) {
 	for rows.Next() {
 		var e outboxEvent
 		var a int32
-		if err := rows.Scan(&e.ID, &e.Type, &e.AggregateType, &e.AggregateID, &e.Payload, &e.CreatedAt, &a); err != nil {
+		if err := rows.Scan(&e.ID, &e.Type, &e.AggregateType, &e.AggregateID, &e.Payload, &e.CreatedAt, &a, &e.Traceparent); err != nil {
 			rows.Close()
 			return 0, fmt.Errorf("reading claimed events: %w", err)
 		}

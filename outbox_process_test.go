@@ -134,7 +134,7 @@ func TestProcessCrashedPollerBatchIsRedelivered(t *testing.T) {
 	redisServer.Resume()
 
 	var claimed int
-	pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL AND attempts = 0`).Scan(&claimed)
+	pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE aggregate_type = 'order' AND delivered_at IS NULL AND attempts = 0`).Scan(&claimed)
 	if claimed != n {
 		t.Fatalf("%d of %d events pending and untouched after the crash", claimed, n)
 	}
@@ -206,6 +206,15 @@ func TestProcessSSEHandoverDuringDrain(t *testing.T) {
 	got := append(orderCreatedIDs(first.events(eventOrderCreated)), orderCreatedIDs(second.events(eventOrderCreated))...)
 	if !slices.Equal(got, want) {
 		t.Fatalf("across the handover the client got\n%v\nwant every event once, in delivery order\n%v", got, want)
+	}
+	// The instance's own drain is an event too (instance.state_changed).
+	sawDraining := false
+	for _, f := range append(first.events(eventInstanceStateChanged), second.events(eventInstanceStateChanged)...) {
+		payload, _ := f.Data["payload"].(map[string]any)
+		sawDraining = sawDraining || (payload["instanceId"] == "a" && payload["to"] == "draining")
+	}
+	if !sawDraining {
+		t.Error("no instance.state_changed event for a → draining reached the client")
 	}
 	if len(first.events(eventOrderCreated)) == 0 || len(second.events(eventOrderCreated)) == 0 {
 		t.Fatalf("want events on both sides of the handover: %d before, %d after",

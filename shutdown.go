@@ -176,14 +176,20 @@ func (a *app) drain(ctx context.Context, reason string) error {
 	var errs []error
 
 	// 1. Readiness answers 503 from this instant: the state says so, no
-	//    dependency probe is needed.
-	a.step(ctx, "readiness", func(context.Context) error { a.lc.advanceTo(StateDraining); return nil })
+	//    dependency probe is needed. Keep-alives go off first, so from the
+	//    same instant every response carries Connection: close and no client
+	//    keeps reusing this instance.
+	a.step(ctx, "readiness", func(context.Context) error {
+		if a.api != nil {
+			a.api.srv.SetKeepAlivesEnabled(false)
+		}
+		a.lc.advanceTo(StateDraining)
+		return nil
+	})
 
 	if a.api != nil {
 		// 2. Linger: keep serving while the load balancer notices the 503 and
-		//    moves traffic. Keep-alives go off now, so every response carries
-		//    Connection: close and no client keeps reusing this instance.
-		a.api.srv.SetKeepAlivesEnabled(false)
+		//    moves traffic.
 		a.step(ctx, "linger", func(ctx context.Context) error { return sleepCtx(ctx, a.cfg.Lifecycle.Linger) })
 
 		// 3. Close the API listener: new connections are refused from here on.

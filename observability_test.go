@@ -1,0 +1,291 @@
+package main
+
+import (
+	"bytes"
+	"compress/gzip"
+	"encoding/hex"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"regexp"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	collectortrace "go.opentelemetry.io/proto/otlp/collector/trace/v1"
+	"go.yaml.in/yaml/v3"
+	"google.golang.org/protobuf/proto"
+)
+
+// otlpReceiver is a real OTLP/HTTP trace endpoint: it decodes the protobuf
+// export requests the service sends and keeps the spans.
+type otlpReceiver struct {
+	srv *httptest.Server
+
+	mu    sync.Mutex
+	spans []receivedSpan
+}
+
+type receivedSpan struct {
+	Name, TraceID, SpanID, ParentID string
+}
+
+func newOTLPReceiver(t testing.TB) *otlpReceiver {
+	r := &otlpReceiver{}
+	r.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		var body io.Reader = req.Body
+		if req.Header.Get("Content-Encoding") == "gzip" {
+			gz, err := gzip.NewReader(req.Body)
+			if err != nil {
+				http.Error(w, err.Error(), 400)
+				return
+			}
+			body = gz
+		}
+		raw, _ := io.ReadAll(body)
+		var export collectortrace.ExportTraceServiceRequest
+		if err := proto.Unmarshal(raw, &export); err != nil {
+			http.Error(w, err.Error(), 400)
+			return
+		}
+		r.mu.Lock()
+		for _, rs := range export.ResourceSpans {
+			for _, ss := range rs.ScopeSpans {
+				for _, s := range ss.Spans {
+					r.spans = append(r.spans, receivedSpan{Name: s.Name, TraceID: hex.EncodeToString(s.TraceId),
+						SpanID: hex.EncodeToString(s.SpanId), ParentID: hex.EncodeToString(s.ParentSpanId)})
+				}
+			}
+		}
+		r.mu.Unlock()
+		w.Header().Set("Content-Type", "application/x-protobuf")
+		out, _ := proto.Marshal(&collectortrace.ExportTraceServiceResponse{})
+		w.Write(out)
+	}))
+	t.Cleanup(r.srv.Close)
+	return r
+}
+
+func (r *otlpReceiver) named(prefix string) []receivedSpan {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []receivedSpan
+	for _, s := range r.spans {
+		if strings.HasPrefix(s.Name, prefix) {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// 2. After a boot and a SIGTERM the receiver holds the 16 phase spans under
+// lifecycle.startup and the drain's step spans under lifecycle.shutdown:
+// the flush at exit works.
+func TestProcessTracesReachTheCollector(t *testing.T) {
+	rcv := newOTLPReceiver(t)
+	env := fastEnv(t)
+	env["OTEL_EXPORTER_OTLP_ENDPOINT"] = rcv.srv.URL
+	p := startProc(t, env)
+	ops, _ := p.waitReady()
+	if _, _, body, _ := get(t, http.DefaultClient, ops+"/health/ready"); body["checks"].(map[string]any)["observability"].(map[string]any)["provider"] != "otlp" {
+		t.Errorf("readiness shows %v, want provider otlp", body["checks"])
+	}
+	p.signal(syscall.SIGTERM)
+	if code := p.wait(10 * time.Second); code != 0 {
+		t.Fatalf("exit %d", code)
+	}
+
+	roots := rcv.named("lifecycle.startup")
+	var root receivedSpan
+	phases := map[string]receivedSpan{}
+	for _, s := range roots {
+		if s.Name == "lifecycle.startup" {
+			root = s
+		} else {
+			phases[strings.TrimPrefix(s.Name, "lifecycle.startup.")] = s
+		}
+	}
+	for _, name := range phaseOrder {
+		s, ok := phases[name]
+		if !ok {
+			t.Errorf("no span for phase %s", name)
+		} else if s.ParentID != root.SpanID || s.TraceID != root.TraceID {
+			t.Errorf("phase %s is not a child of lifecycle.startup", name)
+		}
+	}
+	shutdown := rcv.named("lifecycle.shutdown")
+	steps := map[string]bool{}
+	for _, s := range shutdown {
+		steps[s.Name] = true
+	}
+	for _, step := range []string{"lifecycle.shutdown", "lifecycle.shutdown.readiness", "lifecycle.shutdown.linger",
+		"lifecycle.shutdown.closeListener", "lifecycle.shutdown.inFlight", "lifecycle.shutdown.outboxPoller", "lifecycle.shutdown.db"} {
+		if !steps[step] {
+			t.Errorf("no span %s (got %v)", step, steps)
+		}
+	}
+}
+
+// 4. An OTLP endpoint that is invalid or does not answer: the boot reaches
+// ready with the noop provider and a warning.
+func TestProcessUnreachableCollectorFallsBackToNoop(t *testing.T) {
+	for name, endpoint := range map[string]string{"unreachable": "http://" + freeTCPAddr(t), "invalid": "::not a url"} {
+		t.Run(name, func(t *testing.T) {
+			env := fastEnv(t)
+			env["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
+			p := startProc(t, env)
+			ops, _ := p.waitReady()
+			p.waitLog(time.Second, map[string]any{"phase": "observability", "outcome": "warn"})
+			code, _, body, _ := get(t, http.DefaultClient, ops+"/health/ready")
+			obs := body["checks"].(map[string]any)["observability"].(map[string]any)
+			if code != 200 || obs["provider"] != "noop" || obs["ok"] != true {
+				t.Fatalf("readiness %d %v", code, obs)
+			}
+		})
+	}
+}
+
+// 5. Trace continuity: an order posted with a traceparent yields the delivery
+// and the job span in the same trace.
+func TestOrderTraceReachesTheJob(t *testing.T) {
+	rcv := newOTLPReceiver(t)
+	meili := newMeiliDouble(t, "available")
+	env := fastEnv(t)
+	env["OTEL_EXPORTER_OTLP_ENDPOINT"] = rcv.srv.URL
+	env["MEILI_URL"] = meili.srv.URL
+	env["KUMIKO_JOBS_POLL_INTERVAL"] = "100ms"
+	p := startProc(t, env)
+	_, api := p.waitReady()
+	const traceID = "4bf92f3577b34da6a3ce929d0e0e4736"
+	if code, _, body := post(t, api+"/api/orders", validOrder, map[string]string{"traceparent": "00-" + traceID + "-00f067aa0ba902b7-01"}); code != 201 {
+		t.Fatalf("POST %d %v", code, body)
+	}
+	waitFor(t, 10*time.Second, "the index job to run", func() bool { return meili.called("POST /indexes/orders/documents") })
+	time.Sleep(200 * time.Millisecond)
+	p.signal(syscall.SIGTERM) // flushes the spans
+	p.wait(10 * time.Second)
+
+	inTrace := map[string]bool{}
+	for _, s := range rcv.named("") {
+		if s.TraceID == traceID {
+			inTrace[s.Name] = true
+		}
+	}
+	for _, want := range []string{"POST /api/orders", "outbox.deliver order.created", "job indexOrder"} {
+		if !inTrace[want] {
+			t.Errorf("trace %s lacks %q; it has %v", traceID, want, inTrace)
+		}
+	}
+}
+
+// 3. /metrics passes Prometheus' lint, carries the names operators alert on,
+// and has sane values.
+func TestMetricsLintAndValues(t *testing.T) {
+	s := startInProcess(t, fastEnv(t))
+	reg := s.app.metrics.registry
+	problems, err := testutil.GatherAndLint(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range problems {
+		t.Errorf("lint: %s: %s", p.Metric, p.Text)
+	}
+	families, _ := reg.Gather()
+	byName := map[string]bool{}
+	for _, f := range families {
+		byName[f.GetName()] = true
+	}
+	for _, name := range []string{"kumiko_lifecycle_state", "kumiko_startup_phase_duration_seconds", "kumiko_startup_duration_seconds",
+		"kumiko_http_requests_in_flight", "kumiko_readiness_check_ok", "kumiko_worker_heartbeat_age_seconds", "kumiko_leader",
+		"kumiko_outbox_pending", "kumiko_outbox_delivered_total", "kumiko_shutdown_forced_total"} {
+		if !byName[name] {
+			t.Errorf("/metrics lacks %s", name)
+		}
+	}
+	if n := testutil.ToFloat64(s.app.metrics.state.WithLabelValues("ready")); n != 1 {
+		t.Errorf("state gauge ready = %v", n)
+	}
+	var ones float64
+	for _, st := range stateNames {
+		ones += testutil.ToFloat64(s.app.metrics.state.WithLabelValues(st))
+	}
+	if ones != 1 {
+		t.Errorf("state gauge is 1 for %v states, want exactly one", ones)
+	}
+	// 1. Every phase has its sample (and, in TestProcessTracesReachTheCollector, its span).
+	for _, phase := range phaseOrder {
+		if v := testutil.ToFloat64(s.app.metrics.phaseDuration.WithLabelValues(phase)); v <= 0 {
+			t.Errorf("phase %s duration %v, want > 0", phase, v)
+		}
+	}
+	if v := testutil.ToFloat64(s.app.metrics.startupDuration); v <= 0 {
+		t.Errorf("startup duration %v", v)
+	}
+	// Shutdown steps too.
+	s.stop(t)
+	for _, step := range []string{"readiness", "linger", "closeListener", "sseClose", "inFlight", "outboxPoller", "jobsWorker", "redis", "db"} {
+		if v := testutil.ToFloat64(s.app.metrics.shutdownStep.WithLabelValues(step)); v <= 0 {
+			t.Errorf("shutdown step %s duration %v, want > 0", step, v)
+		}
+	}
+}
+
+// The alert rules are well-formed and every metric they use exists.
+func TestAlertRulesUseRealMetrics(t *testing.T) {
+	raw, err := os.ReadFile("k8s/prometheus-alerts.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var file struct {
+		Groups []struct {
+			Name  string
+			Rules []struct {
+				Alert, Expr, For string
+				Labels           map[string]string
+				Annotations      map[string]string
+			}
+		}
+	}
+	dec := yaml.NewDecoder(bytes.NewReader(raw))
+	dec.KnownFields(true)
+	if err := dec.Decode(&file); err != nil {
+		t.Fatal(err)
+	}
+	m := newMetrics()
+	// Children of vector metrics appear in Gather once they have a value.
+	m.panics.WithLabelValues("x")
+	m.state.WithLabelValues("ready")
+	newHeartbeats(nil, "x", time.Second, m, newReadiness(newTestLifecycle(), m, time.Second, time.Second)).RegisterHeartbeat("outbox", "").last.Store(1)
+	families, _ := m.registry.Gather()
+	known := map[string]bool{}
+	for _, f := range families {
+		known[f.GetName()] = true
+	}
+	metricName := regexp.MustCompile(`kumiko_[a-z_]+`)
+	n := 0
+	for _, g := range file.Groups {
+		for _, r := range g.Rules {
+			n++
+			if r.Alert == "" || r.Expr == "" || r.Labels["severity"] == "" || r.Annotations["summary"] == "" || r.Annotations["runbook"] == "" {
+				t.Errorf("rule %+v lacks alert, expr, severity, summary or runbook", r)
+			}
+			if r.For != "" {
+				if _, err := time.ParseDuration(r.For); err != nil {
+					t.Errorf("%s: for %q: %v", r.Alert, r.For, err)
+				}
+			}
+			for _, name := range metricName.FindAllString(r.Expr, -1) {
+				if !known[name] {
+					t.Errorf("%s uses %s, which the service does not export", r.Alert, name)
+				}
+			}
+		}
+	}
+	if n < 4 {
+		t.Fatalf("%d rules", n)
+	}
+}

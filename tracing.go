@@ -1,0 +1,98 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"strconv"
+	"time"
+
+	"github.com/labstack/echo/v4"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// One trace follows an order from the HTTP request that wrote it, through its
+// outbox event (the trace context is stored with the event), to the jobs the
+// delivery inserts (the delivery span's context rides in the job's metadata)
+// — also when another instance delivers or works it. W3C trace context is
+// passed explicitly; there is no global propagator.
+var traceContext = propagation.TraceContext{}
+
+// traceparentOf is ctx's span as a W3C traceparent ("" without one).
+func traceparentOf(ctx context.Context) string {
+	carrier := propagation.MapCarrier{}
+	traceContext.Inject(ctx, carrier)
+	return carrier["traceparent"]
+}
+
+// withTraceparent continues the trace a stored traceparent names.
+func withTraceparent(ctx context.Context, traceparent string) context.Context {
+	if traceparent == "" {
+		return ctx
+	}
+	return traceContext.Extract(ctx, propagation.MapCarrier{"traceparent": traceparent})
+}
+
+// traceRequests starts a server span per API request, continuing the
+// caller's trace from its traceparent header. The span is named after the
+// route template, never the raw path.
+func traceRequests(tracer trace.Tracer) echo.MiddlewareFunc {
+	return func(next echo.HandlerFunc) echo.HandlerFunc {
+		return func(c echo.Context) error {
+			req := c.Request()
+			ctx := traceContext.Extract(req.Context(), propagation.HeaderCarrier(req.Header))
+			ctx, span := tracer.Start(ctx, req.Method+" "+c.Path(), trace.WithSpanKind(trace.SpanKindServer),
+				trace.WithAttributes(attribute.String("http.request.method", req.Method), attribute.String("http.route", c.Path())))
+			defer span.End()
+			c.SetRequest(req.WithContext(ctx))
+			err := next(c)
+			if err != nil {
+				c.Error(err)
+			}
+			status := c.Response().Status
+			span.SetAttributes(attribute.Int("http.response.status_code", status))
+			if status >= 500 {
+				span.SetStatus(codes.Error, strconv.Itoa(status))
+			}
+			return nil
+		}
+	}
+}
+
+// deliverySpan marks an event's delivery inside its writer's trace and
+// returns the metadata that carries it into the jobs the event triggers.
+func deliverySpan(ctx context.Context, tracer trace.Tracer, ev outboxEvent) []byte {
+	ctx, span := tracer.Start(withTraceparent(ctx, ev.Traceparent), "outbox.deliver "+ev.Type,
+		trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attribute.Int64("outbox.event_id", ev.ID)))
+	defer span.End()
+	meta, _ := json.Marshal(map[string]string{"traceparent": traceparentOf(ctx)})
+	return meta
+}
+
+// traceAndCountJobs is River worker middleware: every job runs in a span that
+// continues the trace in its metadata, and is counted and timed.
+func traceAndCountJobs(tracer trace.Tracer, m *metrics) rivertype.Middleware {
+	return river.WorkerMiddlewareFunc(func(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error) error {
+		var meta struct {
+			Traceparent string `json:"traceparent"`
+		}
+		_ = json.Unmarshal(job.Metadata, &meta) // no metadata: a new trace
+		ctx, span := tracer.Start(withTraceparent(ctx, meta.Traceparent), "job "+job.Kind, trace.WithSpanKind(trace.SpanKindConsumer),
+			trace.WithAttributes(attribute.Int64("job.id", job.ID), attribute.Int("job.attempt", job.Attempt)))
+		defer span.End()
+		start := time.Now()
+		err := doInner(ctx)
+		result := "ok"
+		if err != nil {
+			result = "failed"
+			span.SetStatus(codes.Error, err.Error())
+		}
+		m.jobs.WithLabelValues(job.Kind, result).Inc()
+		m.jobDuration.WithLabelValues(job.Kind).Observe(time.Since(start).Seconds())
+		return err
+	})
+}
