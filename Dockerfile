@@ -1,0 +1,22 @@
+# syntax=docker/dockerfile:1
+# Build: a static binary (no cgo), so the runtime image needs no libc.
+FROM golang:1.26-bookworm AS build
+WORKDIR /src
+COPY go.mod go.sum ./
+RUN go mod download
+COPY . .
+ARG VERSION=dev
+RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X main.version=${VERSION}" -o /out/kumiko-lifecycle-demo .
+
+# Run: distroless static, non-root. No shell and no curl: the binary's own
+# `healthcheck` command probes readiness. tzdata is embedded in the binary.
+FROM gcr.io/distroless/static-debian12:nonroot
+COPY --from=build /out/kumiko-lifecycle-demo /kumiko-lifecycle-demo
+USER nonroot:nonroot
+EXPOSE 8080 9090
+# SIGTERM starts the drain (readiness 503, linger, in-flight wait, release);
+# a second SIGTERM forces exit 1.
+STOPSIGNAL SIGTERM
+HEALTHCHECK --interval=5s --timeout=3s --start-period=120s --retries=3 CMD ["/kumiko-lifecycle-demo", "healthcheck"]
+ENTRYPOINT ["/kumiko-lifecycle-demo"]
+CMD ["serve"]

@@ -1,0 +1,186 @@
+package main
+
+import (
+	"context"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/compose-spec/compose-go/v2/cli"
+	"github.com/compose-spec/compose-go/v2/types"
+	appsv1 "k8s.io/api/apps/v1"
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"sigs.k8s.io/yaml"
+)
+
+// The deploy files are checked against the app's own defaults, so changing a
+// default without the files (or the files without the code) fails here.
+
+func TestDockerCompose(t *testing.T) {
+	opts, err := cli.NewProjectOptions([]string{"docker-compose.yml"}, cli.WithWorkingDirectory("."), cli.WithName("kumiko"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	project, err := opts.LoadProject(context.Background())
+	if err != nil {
+		t.Fatalf("compose-go cannot load docker-compose.yml: %v", err)
+	}
+	defaults := defaultConfig().Lifecycle
+	ids := map[string]bool{}
+	for _, name := range []string{"app1", "app2"} {
+		app, err := project.GetService(name)
+		if err != nil {
+			t.Fatalf("no service %s: %v", name, err)
+		}
+		id := app.Environment["KUMIKO_INSTANCE_ID"]
+		if id == nil || ids[*id] {
+			t.Errorf("%s needs its own KUMIKO_INSTANCE_ID, got %v", name, id)
+		} else {
+			ids[*id] = true
+		}
+		if app.HealthCheck == nil || !strings.Contains(strings.Join(app.HealthCheck.Test, " "), "healthcheck") {
+			t.Errorf("%s has no healthcheck through the binary: %+v", name, app.HealthCheck)
+		}
+		if app.StopGracePeriod == nil || time.Duration(*app.StopGracePeriod) <= defaults.ShutdownTimeout {
+			t.Errorf("%s stop_grace_period %v must exceed the shutdown budget %s", name, app.StopGracePeriod, defaults.ShutdownTimeout)
+		}
+		for dep, cond := range app.DependsOn {
+			if cond.Condition != types.ServiceConditionHealthy {
+				t.Errorf("%s starts before %s is healthy (%s)", name, dep, cond.Condition)
+			}
+		}
+		// The environment the container gets is a valid configuration.
+		env := map[string]string{}
+		for k, v := range app.Environment {
+			if v != nil {
+				env[k] = *v
+			}
+		}
+		cfg, err := loadConfig(func(k string) string { return env[k] }, func(string) ([]byte, error) { return nil, os.ErrNotExist })
+		if err != nil {
+			t.Errorf("%s's environment is not a valid config: %v", name, err)
+		} else if _, err := decodeMasterKey(cfg.MasterKey, "compose"); err != nil {
+			t.Errorf("%s's master key: %v", name, err)
+		}
+	}
+	for _, svc := range []string{"postgres", "redis", "meilisearch", "minio"} {
+		if s, err := project.GetService(svc); err != nil || s.HealthCheck == nil {
+			t.Errorf("service %s missing or without a healthcheck", svc)
+		}
+	}
+	lb, err := project.GetService("lb")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, app := range []string{"app1", "app2"} {
+		if lb.DependsOn[app].Condition != types.ServiceConditionHealthy {
+			t.Errorf("the load balancer does not wait for %s to be healthy", app)
+		}
+	}
+	haproxy, _ := os.ReadFile("deploy/haproxy.cfg")
+	_, opsPort, _ := net.SplitHostPort(defaultConfig().OpsAddr)
+	for _, want := range []string{"option httpchk GET /health/ready", "server app1 app1:8080 check port " + opsPort, "server app2 app2:8080 check port " + opsPort} {
+		if !strings.Contains(string(haproxy), want) {
+			t.Errorf("deploy/haproxy.cfg lacks %q", want)
+		}
+	}
+}
+
+func TestKubernetesManifests(t *testing.T) {
+	files, _ := filepath.Glob("k8s/*.yaml")
+	var deploy *appsv1.Deployment
+	var configMap *corev1.ConfigMap
+	kinds := map[string]bool{}
+	for _, file := range files {
+		if strings.HasSuffix(file, "prometheus-alerts.yaml") {
+			continue // a Prometheus rule file, checked by TestAlertRulesUseRealMetrics
+		}
+		raw, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var meta struct{ Kind string }
+		yaml.Unmarshal(raw, &meta)
+		var obj any
+		switch meta.Kind {
+		case "Deployment":
+			deploy = &appsv1.Deployment{}
+			obj = deploy
+		case "Service":
+			obj = &corev1.Service{}
+		case "ConfigMap":
+			configMap = &corev1.ConfigMap{}
+			obj = configMap
+		case "Secret":
+			obj = &corev1.Secret{}
+		case "PodDisruptionBudget":
+			obj = &policyv1.PodDisruptionBudget{}
+		case "Job":
+			obj = &batchv1.Job{}
+		default:
+			t.Errorf("%s: unexpected kind %q", file, meta.Kind)
+			continue
+		}
+		if err := yaml.UnmarshalStrict(raw, obj); err != nil {
+			t.Errorf("%s does not decode strictly into %s: %v", file, meta.Kind, err)
+		}
+		kinds[meta.Kind] = true
+	}
+	for _, kind := range []string{"Deployment", "Service", "ConfigMap", "Secret", "PodDisruptionBudget", "Job"} {
+		if !kinds[kind] {
+			t.Errorf("no %s manifest", kind)
+		}
+	}
+	if deploy == nil || configMap == nil {
+		t.FailNow()
+	}
+
+	d := defaultConfig()
+	spec := deploy.Spec
+	if *spec.Replicas != 2 || spec.Strategy.RollingUpdate.MaxUnavailable.IntValue() != 0 {
+		t.Errorf("want 2 replicas and maxUnavailable 0")
+	}
+	c := spec.Template.Spec.Containers[0]
+	ports := map[string]int32{}
+	for _, p := range c.Ports {
+		ports[p.Name] = p.ContainerPort
+	}
+	_, opsPort, _ := net.SplitHostPort(d.OpsAddr)
+	_, httpPort, _ := net.SplitHostPort(d.HTTPAddr)
+	if itoa(int64(ports["ops"])) != opsPort || itoa(int64(ports["http"])) != httpPort {
+		t.Errorf("container ports %v do not match the app's %s and %s", ports, d.OpsAddr, d.HTTPAddr)
+	}
+	for name, probe := range map[string]*corev1.Probe{"readiness": c.ReadinessProbe, "startup": c.StartupProbe, "liveness": c.LivenessProbe} {
+		want := "/health/ready"
+		if name == "liveness" {
+			want = "/health"
+		}
+		if probe == nil || probe.HTTPGet.Path != want || probe.HTTPGet.Port.String() != "ops" {
+			t.Errorf("%s probe %+v, want GET %s on the ops port", name, probe, want)
+		}
+	}
+	if budget := time.Duration(c.StartupProbe.PeriodSeconds*c.StartupProbe.FailureThreshold) * time.Second; budget < d.Lifecycle.StartupTimeout {
+		t.Errorf("the startup probe gives up after %s, before the boot budget %s", budget, d.Lifecycle.StartupTimeout)
+	}
+	grace := time.Duration(*spec.Template.Spec.TerminationGracePeriodSeconds) * time.Second
+	if grace < d.Lifecycle.Linger+d.Lifecycle.DrainTimeout+5*time.Second || grace <= d.Lifecycle.ShutdownTimeout {
+		t.Errorf("terminationGracePeriodSeconds %s must cover linger %s + drain %s + margin, and exceed the shutdown budget %s",
+			grace, d.Lifecycle.Linger, d.Lifecycle.DrainTimeout, d.Lifecycle.ShutdownTimeout)
+	}
+	// The mounted config file loads and keeps the budgets the manifest was computed for.
+	file := configMap.Data["kumiko.config.yaml"]
+	cfg, err := loadConfig(func(k string) string {
+		return map[string]string{"KUMIKO_CONFIG": "/etc/kumiko/kumiko.config.yaml", "DATABASE_URL": "postgres://x@db/x", "REDIS_URL": "redis://r"}[k]
+	}, func(string) ([]byte, error) { return []byte(file), nil })
+	if err != nil {
+		t.Fatalf("the ConfigMap's kumiko.config.yaml: %v", err)
+	}
+	if cfg.Lifecycle.ShutdownTimeout+10*time.Second > grace {
+		t.Errorf("the ConfigMap's shutdown budget %s does not fit the grace period %s", cfg.Lifecycle.ShutdownTimeout, grace)
+	}
+}
