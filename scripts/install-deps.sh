@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Installs what the tests and the local demo need, when it is missing:
-# PostgreSQL and Redis servers (Debian packages), HAProxy for the demo's load
-# balancer, and versitygw, a real S3 server, for the storage tests.
+# PostgreSQL and Redis servers, HAProxy and curl (Debian packages), versitygw,
+# a real S3 server for the storage tests, and vegeta, the load generator of
+# the rolling deploy (go install).
 set -euo pipefail
 
 missing=()
 compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || command -v initdb >/dev/null || missing+=(postgresql)
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
+command -v curl >/dev/null || missing+=(curl)
 if ((${#missing[@]})); then
   if [ "$(id -u)" -ne 0 ]; then
     echo "missing: ${missing[*]} — install them (sudo apt-get install ${missing[*]}) and run again" >&2
@@ -22,4 +24,8 @@ gobin="$(go env GOPATH)/bin"
 if ! command -v versitygw >/dev/null && [ ! -x "$gobin/versitygw" ]; then
   echo "installing versitygw (S3 server for the storage tests)" >&2
   go install github.com/versity/versitygw/cmd/versitygw@v1.8.0
+fi
+if ! command -v vegeta >/dev/null && [ ! -x "$gobin/vegeta" ]; then
+  echo "installing vegeta (load generator of the rolling-deploy test)" >&2
+  go install github.com/tsenart/vegeta/v12@v12.13.0
 fi

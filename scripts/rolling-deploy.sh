@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# A rolling deploy under load, without Docker: two instances behind HAProxy,
+# a steady load (vegeta) through the load balancer, and each instance in turn
+# stopped with SIGTERM and started again, as an orchestrator would. Prints
+# requests sent, failed, and latency percentiles for the steady state and for
+# the roll; exits 1 when any request failed.
+#
+#   scripts/rolling-deploy.sh                      # 500 requests/s, 10s steady, then the roll
+#   RATE=200 STEADY=2s scripts/rolling-deploy.sh   # shorter (what CI runs)
+#   KUMIKO_LINGER=0 scripts/rolling-deploy.sh      # see what the linger buys
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh
+export PATH="$PATH:$(go env GOPATH)/bin"
+
+RATE=${RATE:-500} STEADY=${STEADY:-10s}
+LB_PORT=${LB_PORT:-18080} PG_PORT=${PG_PORT:-55433} REDIS_PORT=${REDIS_PORT:-56380} DIR=${ROLL_DIR:-$PWD/.rolling}
+LB_CHECK_INTERVAL=${LB_CHECK_INTERVAL:-250ms}
+export KUMIKO_LINGER=${KUMIKO_LINGER:-1s} KUMIKO_LOG_FORMAT=json
+source scripts/lib.sh
+trap cleanup EXIT INT TERM
+
+start_services
+start_app 1 "$DIR/app1.log"
+start_app 2 "$DIR/app2.log"
+wait_ready 1 && wait_ready 2
+start_lb
+sleep 1 # HAProxy's first checks (rise 2)
+
+target="GET http://127.0.0.1:$LB_PORT/api/slow?ms=5"
+echo "steady state: $RATE requests/s for $STEADY"
+echo "$target" | vegeta attack -rate="$RATE" -duration="$STEADY" -timeout=10s >"$DIR/steady.bin"
+
+echo "rolling: $RATE requests/s while app1, then app2, is stopped with SIGTERM and started again (linger $KUMIKO_LINGER)"
+echo "$target" | vegeta attack -rate="$RATE" -duration=10m -timeout=10s >"$DIR/roll.bin" &
+attack=$!
+sleep 1
+for n in 1 2; do
+  pid=$(cat "$DIR/app$n.pid")
+  kill -TERM "$pid"
+  while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+  start_app "$n" "$DIR/app$n.log"
+  wait_ready "$n"
+  sleep 1 # until HAProxy has seen it healthy twice
+done
+kill -INT "$attack" # vegeta stops and flushes its results
+wait "$attack" || true
+
+report() { # report NAME FILE: one summary line, and the number of failed requests in $failed
+  local json total ok p50 p99
+  json=$(vegeta report -type=json "$2")
+  total=$(grep -o '"requests":[0-9]*' <<<"$json" | cut -d: -f2)
+  ok=$(grep -o '"200":[0-9]*' <<<"$json" | cut -d: -f2)
+  p50=$(grep -o '"50th":[0-9]*' <<<"$json" | cut -d: -f2)
+  p99=$(grep -o '"99th":[0-9]*' <<<"$json" | cut -d: -f2)
+  failed=$((total - ${ok:-0}))
+  printf '%-8s requests %6d  failed %4d  p50 %6.2f ms  p99 %6.2f ms\n' "$1" "$total" "$failed" \
+    "$(awk "BEGIN{print $p50/1e6}")" "$(awk "BEGIN{print $p99/1e6}")"
+}
+report steady "$DIR/steady.bin"
+steady_failed=$failed
+report roll "$DIR/roll.bin"
+roll_failed=$failed
+if ((steady_failed + roll_failed > 0)); then
+  echo "FAILED: $((steady_failed + roll_failed)) requests failed" >&2
+  vegeta report "$DIR/roll.bin" | sed -n '/Error Set/,$p' | head -5 >&2
+  exit 1
+fi
+echo "ok: no request failed"
