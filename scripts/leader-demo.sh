@@ -35,5 +35,5 @@ start=$(date +%s.%N)
 while [ "$(leader)" = "$second" ] || [ -z "$(leader)" ]; do sleep 0.01; done
 echo ">>> new leader after $(awk "BEGIN{printf \"%.3f\", $(date +%s.%N) - $start}")s: $(leader)"
 echo ">>> report ticks enqueued, each exactly once:"
-"$pgbin/psql" -h 127.0.0.1 -p "$PG_PORT" -U postgres -Atc \
+"$(command -v psql || echo "$pgbin/psql")" -h 127.0.0.1 -p "$PG_PORT" -U postgres -Atc \
   "SELECT count(*) || ' ticks, ' || count(DISTINCT args->>'scheduledAt') || ' distinct' FROM river_job WHERE kind = 'report'" postgres

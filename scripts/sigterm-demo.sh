@@ -15,11 +15,15 @@ start_app 1
 wait_ready 1
 api="http://127.0.0.1:${API_PORTS[1]}"
 echo; echo ">>> three requests of 2s in flight, then SIGTERM"; echo
-for _ in 1 2 3; do curl -s -o /dev/null -w "    request finished: %{http_code}\n" "$api/api/slow?ms=2000" & done
+requests=()
+for _ in 1 2 3; do
+  curl -s -o /dev/null -w "    request finished: %{http_code}\n" "$api/api/slow?ms=2000" &
+  requests+=($!)
+done
 sleep 0.3
 kill -TERM "$(cat "$DIR/app1.pid")"
 sleep 0.1
 echo "    readiness right after SIGTERM: $(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:${OPS_PORTS[1]}/health/ready")"
 wait "$(cat "$DIR/app1.pid")" && code=0 || code=$?
-wait
+wait "${requests[@]}"
 echo; echo ">>> exit code $code"
