@@ -46,6 +46,7 @@ func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, adminT
 func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature, m *metrics, inFlight *atomic.Int64, tracer trace.Tracer) {
 	e.GET("/health", handleLive())
 	e.GET("/health/ready", handleReady(rd))
+	e.GET("/", handleDashboard())
 	for _, f := range features {
 		for _, r := range f.routes {
 			chain := []echo.MiddlewareFunc{admitWhenServing(lc)}

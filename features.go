@@ -75,6 +75,14 @@ func (a *app) registerFeatures() []feature {
 			},
 		},
 		{
+			name: "dashboard",
+			routes: []route{
+				{method: http.MethodGet, path: "/api/instance", handler: func() echo.HandlerFunc {
+					return handleInstance(a.lc, a.redis, a.cfg.InstanceID)
+				}},
+			},
+		},
+		{
 			name: "drainDemo",
 			routes: []route{
 				{method: http.MethodGet, path: "/api/slow", handler: func() echo.HandlerFunc { return handleSlow(maxSlowRequest) }},
