@@ -263,11 +263,11 @@ func codeFor(status int) string {
 const maxSlowRequest = 10 * time.Minute
 
 // handleSlow is GET /api/slow?ms=N: a request that takes N ms, to watch a drain.
-func handleSlow(max time.Duration) echo.HandlerFunc {
+func handleSlow(limit time.Duration) echo.HandlerFunc {
 	return func(c echo.Context) error {
 		ms, err := strconv.Atoi(c.QueryParam("ms"))
-		if err != nil || ms < 0 || time.Duration(ms)*time.Millisecond > max {
-			return apiError(http.StatusBadRequest, "invalid_ms", fmt.Sprintf("ms must be an integer from 0 to %d", max.Milliseconds()))
+		if err != nil || ms < 0 || time.Duration(ms)*time.Millisecond > limit {
+			return apiError(http.StatusBadRequest, "invalid_ms", fmt.Sprintf("ms must be an integer from 0 to %d", limit.Milliseconds()))
 		}
 		select {
 		case <-time.After(time.Duration(ms) * time.Millisecond):

@@ -31,6 +31,12 @@ func (b *syncBuffer) Write(p []byte) (int, error) {
 	return b.buf.Write(p)
 }
 
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
 // lines decodes the JSON log lines written so far.
 func (b *syncBuffer) lines() []map[string]any {
 	b.mu.Lock()
@@ -85,7 +91,7 @@ func startInProcess(t testing.TB, env map[string]string) *inProcess {
 		time.Sleep(5 * time.Millisecond)
 	}
 	if a.lc.State() != StateReady {
-		t.Fatalf("service state %s, logs:\n%s", a.lc.State(), logs.buf.String())
+		t.Fatalf("service state %s, logs:\n%s", a.lc.State(), logs.String())
 	}
 	return s
 }
@@ -264,7 +270,7 @@ func TestOptionalAdaptersUpAndDown(t *testing.T) {
 		if !ok || rep.Checks["search"].OK || rep.Checks["storage"].OK {
 			t.Errorf("want ready with search and storage shown failing: %v %+v", ok, rep.Checks)
 		}
-		if strings.Contains(s.logs.buf.String(), "secret-key-123") {
+		if strings.Contains(s.logs.String(), "secret-key-123") {
 			t.Error("the S3 secret key was logged")
 		}
 	})

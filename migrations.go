@@ -123,6 +123,15 @@ func (mg *migrator) up(ctx context.Context) error {
 	return mg.withContext(ctx, mg.m.Up)
 }
 
+// force records version as the schema's version and clears the dirty flag,
+// without running anything: the repair after a migration failed half-way.
+func (mg *migrator) force(version int) error {
+	if err := mg.m.Force(version); err != nil {
+		return fmt.Errorf("forcing version %d: %w", version, err)
+	}
+	return nil
+}
+
 // down rolls back n migrations.
 func (mg *migrator) down(ctx context.Context, n int) error {
 	return mg.withContext(ctx, func() error { return mg.m.Steps(-n) })
@@ -172,13 +181,19 @@ func (a *app) checkSchemaBaseline(ctx context.Context, p *phaseRun) error {
 	}
 	switch {
 	case st.Dirty:
-		return fmt.Errorf("schema version %d is dirty: a migration failed half-way; fix it by hand, then `migrate force`", st.Version)
+		return dirtySchema(st.Version)
 	case st.Version == 0:
 		p.note = "fresh database: phase migrationsCheck creates the schema"
 	case st.Version < baseline:
 		return fmt.Errorf("schema version %d is older than baseline %d that this binary supports: migrate with an older release first", st.Version, baseline)
 	}
 	return nil
+}
+
+// dirtySchema is the error for a migration that failed half-way: only a human
+// can tell what it left behind.
+func dirtySchema(version uint) error {
+	return fmt.Errorf("schema version %d is dirty: a migration failed half-way; repair the schema by hand, then record the version it is really at with `kumiko-lifecycle-demo migrate force N`", version)
 }
 
 // checkMigrations applies or reports pending migrations per KUMIKO_MIGRATIONS_MODE.
@@ -194,7 +209,7 @@ func (a *app) checkMigrations(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	if st.Dirty {
-		return fmt.Errorf("schema version %d is dirty: a migration failed half-way; fix it by hand, then `migrate force`", st.Version)
+		return dirtySchema(st.Version)
 	}
 	if st.Version > st.Latest {
 		// A rolled-back binary during a rolling deploy: expected, and the schema

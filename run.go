@@ -23,6 +23,7 @@ commands:
   migrate up          apply every pending migration
   migrate down N      roll back N migrations
   migrate status      show the schema version and what is pending
+  migrate force N     mark the schema as being at version N (after repairing a failed migration)
   workers             list the live workers of every instance (Redis heartbeats)
   healthcheck         exit 0 when the local /health/ready answers 200 (for Docker HEALTHCHECK)
   version             print the version`
@@ -81,9 +82,15 @@ func runMigrate(ctx context.Context, args []string, getenv func(string) string, 
 			return fmt.Errorf("migrate down takes a positive number of steps, got %q", args[1])
 		}
 		err = mg.down(ctx, n)
+	case len(args) == 2 && args[0] == "force":
+		v, convErr := strconv.Atoi(args[1])
+		if convErr != nil || v < 0 {
+			return fmt.Errorf("migrate force takes a version number, got %q", args[1])
+		}
+		err = mg.force(v)
 	case len(args) == 1 && args[0] == "status":
 	default:
-		return fmt.Errorf("usage: migrate up | migrate down N | migrate status")
+		return fmt.Errorf("usage: migrate up | migrate down N | migrate force N | migrate status")
 	}
 	if err != nil {
 		return err

@@ -139,7 +139,7 @@ func (a *app) shutdown(bootErr error) error {
 
 	budget := a.cfg.Lifecycle.ShutdownTimeout
 	if budget == 0 {
-		budget = 40 * time.Second // config never loaded: the documented default
+		budget = defaultConfig().Lifecycle.ShutdownTimeout // the config never loaded
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), budget)
 	defer cancel()
