@@ -286,15 +286,11 @@ func handleWorkers(redisNow func() *redis.Client) echo.HandlerFunc {
 		if rdb == nil {
 			return apiError(http.StatusServiceUnavailable, "starting", "Redis is not connected yet")
 		}
-		workers, err := listLiveWorkers(c.Request().Context(), rdb)
+		cl, err := readCluster(c.Request().Context(), rdb)
 		if err != nil {
 			return err
 		}
-		leader, err := currentLeader(c.Request().Context(), rdb)
-		if err != nil {
-			return err
-		}
-		return c.JSON(http.StatusOK, map[string]any{"workers": workers, "leader": leader})
+		return c.JSON(http.StatusOK, cl)
 	}
 }
 

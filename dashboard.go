@@ -26,12 +26,7 @@ func handleDashboard() echo.HandlerFunc {
 // instances. Nothing in it is secret; the admin routes stay on the ops port.
 func handleInstance(lc *Lifecycle, rdb *redis.Client, instanceID string) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		ctx := c.Request().Context()
-		workers, err := listLiveWorkers(ctx, rdb)
-		if err != nil {
-			return err
-		}
-		leader, err := currentLeader(ctx, rdb)
+		cl, err := readCluster(c.Request().Context(), rdb)
 		if err != nil {
 			return err
 		}
@@ -40,8 +35,8 @@ func handleInstance(lc *Lifecycle, rdb *redis.Client, instanceID string) echo.Ha
 			"state":      lc.State().String(),
 			"uptimeSec":  int64(lc.Uptime().Seconds()),
 			"phases":     lc.Timeline(),
-			"leader":     leader,
-			"workers":    workers,
+			"leader":     cl.Leader,
+			"workers":    cl.Workers,
 		})
 	}
 }

@@ -200,6 +200,26 @@ type liveWorker struct {
 	AgeSec     int64  `json:"ageSec"`
 }
 
+// cluster is what any instance can see of all of them: the live workers and the leader.
+type cluster struct {
+	Workers []liveWorker `json:"workers"`
+	Leader  string       `json:"leader"`
+}
+
+// readCluster reads the live workers and the current leader from Redis
+// (for /admin/workers and the dashboard).
+func readCluster(ctx context.Context, rdb *redis.Client) (cluster, error) {
+	workers, err := listLiveWorkers(ctx, rdb)
+	if err != nil {
+		return cluster{}, err
+	}
+	leader, err := currentLeader(ctx, rdb)
+	if err != nil {
+		return cluster{}, err
+	}
+	return cluster{Workers: workers, Leader: leader}, nil
+}
+
 // listLiveWorkers reads every heartbeat key: the workers alive across all
 // instances right now (expired keys are gone by themselves).
 func listLiveWorkers(ctx context.Context, rdb *redis.Client) ([]liveWorker, error) {
