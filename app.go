@@ -6,7 +6,6 @@ import (
 	"io"
 	"os"
 	"runtime/debug"
-	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -235,14 +234,7 @@ func mustSchedule(spec string) cron.Schedule {
 // confirmReady is phase 16: one real probe of every gating check before the
 // first 200, so readiness never claims what the dependencies cannot back.
 func (a *app) confirmReady(ctx context.Context, p *phaseRun) error {
-	var failing []string
-	for name, res := range a.health.probe(ctx) {
-		if !res.OK && a.health.gates(name) {
-			failing = append(failing, fmt.Sprintf("%s: %v", name, res.Detail["error"]))
-		}
-	}
-	if len(failing) > 0 {
-		slices.Sort(failing)
+	if failing := a.health.failingGates(a.health.probe(ctx)); len(failing) > 0 {
 		return fmt.Errorf("readiness checks failing: %s", strings.Join(failing, "; "))
 	}
 	return nil

@@ -3,8 +3,10 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"maps"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 
@@ -104,12 +106,7 @@ func (rd *readiness) report(ctx context.Context) (readinessReport, bool) {
 	}
 
 	rep.Checks = rd.probe(ctx)
-	ready := true
-	for name, res := range rep.Checks {
-		if !res.OK && rd.gates(name) {
-			ready = false
-		}
-	}
+	ready := len(rd.failingGates(rep.Checks)) == 0
 	// The state may have changed while the probe ran: a draining instance must
 	// never answer 200.
 	if ready && rd.lc.State() == StateReady {
@@ -118,6 +115,19 @@ func (rd *readiness) report(ctx context.Context) (readinessReport, bool) {
 	}
 	rep.State = rd.lc.State().String()
 	return rep, false
+}
+
+// failingGates lists, sorted, the failed checks that decide readiness, each
+// with its error.
+func (rd *readiness) failingGates(results map[string]checkResult) []string {
+	var failing []string
+	for name, res := range results {
+		if !res.OK && rd.gates(name) {
+			failing = append(failing, fmt.Sprintf("%s: %v", name, res.Detail["error"]))
+		}
+	}
+	slices.Sort(failing)
+	return failing
 }
 
 // gates says whether the named check decides readiness.
