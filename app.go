@@ -243,9 +243,11 @@ func (a *app) confirmReady(ctx context.Context, p *phaseRun) error {
 // becomeReady ends the boot: state → ready, and the one line an operator
 // reads first ("boot took 4.2s, of which 3.1s dbConnect").
 func (a *app) becomeReady() {
-	a.lc.moveTo(StateReady)
+	// The gauge is set before the state moves: once readiness can answer 200,
+	// a scrape must already see how long the boot took.
 	took := time.Since(a.born)
 	a.metrics.startupDuration.Set(took.Seconds())
+	a.lc.moveTo(StateReady)
 	slowest := a.lc.slowestPhase()
 	a.log.WithFields(logrus.Fields{"component": "lifecycle", "event": "boot_complete", "duration_ms": took.Milliseconds(),
 		"slowest_phase": slowest.Phase, "slowest_ms": slowest.DurationMs}).Info("lifecycle")

@@ -280,6 +280,8 @@ func TestProcessOpsListenerServesThroughTheDrain(t *testing.T) {
 	go http.Get(api + "/api/slow?ms=700")
 	waitInFlight(t, ops)
 	p.signal(syscall.SIGTERM)
+	// Until the signal is handled, 200 is a legal answer: probe from draining on.
+	p.waitLog(5*time.Second, map[string]any{"event": "state_changed", "to": "draining"})
 
 	client := &http.Client{Timeout: time.Second}
 	var alive, notReady int

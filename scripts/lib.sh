@@ -74,6 +74,8 @@ defaults
   option redispatch
 frontend api
   bind 127.0.0.1:$LB_PORT
+  stats enable
+  stats uri /lb-stats
   default_backend apps
 backend apps
   option httpchk GET /health/ready
@@ -84,4 +86,17 @@ backend apps
 CFG
   "$haproxy" -f "$DIR/haproxy.cfg" -db >"$DIR/haproxy.log" 2>&1 &
   pids+=($!)
+}
+
+# wait_lb N UP|DOWN waits until HAProxy itself reports appN in that state,
+# read from its stats page: HAProxy routes by what its own checks saw, not by
+# what the instance says right now.
+wait_lb() {
+  for _ in $(seq 1 600); do
+    curl -fsS "http://127.0.0.1:$LB_PORT/lb-stats;csv" 2>/dev/null |
+      awk -F, -v s="app$1" -v want="$2" '$1 == "apps" && $2 == s && $18 == want { found = 1 } END { exit !found }' && return 0
+    sleep 0.1
+  done
+  echo "HAProxy did not mark app$1 $2" >&2
+  return 1
 }

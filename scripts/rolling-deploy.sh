@@ -25,7 +25,7 @@ start_app 1 "$DIR/app1.log"
 start_app 2 "$DIR/app2.log"
 wait_ready 1 && wait_ready 2
 start_lb
-sleep 1 # HAProxy's first checks (rise 2)
+wait_lb 1 UP && wait_lb 2 UP
 
 target="GET http://127.0.0.1:$LB_PORT/api/slow?ms=5"
 echo "steady state: $RATE requests/s for $STEADY"
@@ -34,17 +34,27 @@ echo "$target" | vegeta attack -rate="$RATE" -duration="$STEADY" -timeout=10s >"
 echo "rolling: $RATE requests/s while app1, then app2, is stopped with SIGTERM and started again (linger $KUMIKO_LINGER)"
 echo "$target" | vegeta attack -rate="$RATE" -duration=10m -timeout=10s >"$DIR/roll.bin" &
 attack=$!
-sleep 1
+step() { echo "$(date +%s.%N) $*" >>"$DIR/steps"; }
+step "roll load started"
+sleep 1 # some load before the first SIGTERM
 for n in 1 2; do
   pid=$(cat "$DIR/app$n.pid")
+  step "SIGTERM app$n"
   kill -TERM "$pid"
+  wait_lb "$n" DOWN # HAProxy saw the 503 (during the linger, or at the latest once the port closed)
+  step "app$n DOWN in HAProxy"
   while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+  wait "$pid" && code=0 || code=$?
+  step "app$n exited with $code"
   start_app "$n" "$DIR/app$n.log"
   wait_ready "$n"
-  sleep 1 # until HAProxy has seen it healthy twice
+  step "app$n ready"
+  wait_lb "$n" UP # the next instance is stopped only once HAProxy sends this one traffic again
+  step "app$n UP in HAProxy"
 done
 kill -INT "$attack" # vegeta stops and flushes its results
 wait "$attack" || true
+step "roll load stopped"
 
 report() { # report NAME FILE: one summary line, and the number of failed requests in $failed
   local json total ok p50 p99
@@ -62,8 +72,19 @@ steady_failed=$failed
 report roll "$DIR/roll.bin"
 roll_failed=$failed
 if ((steady_failed + roll_failed > 0)); then
+  # What a reader needs to see why: each failed request (time, status, latency,
+  # error) on the same clock as the steps of the roll, and the logs around it.
   echo "FAILED: $((steady_failed + roll_failed)) requests failed" >&2
-  vegeta report "$DIR/roll.bin" | sed -n '/Error Set/,$p' | head -5 >&2
+  for f in steady roll; do
+    vegeta encode -to csv "$DIR/$f.bin" | awk -F, -v f="$f" '$2 != 200 {
+      printf "failed %s request at %.3f: status %s, latency %.1f ms, error %s\n", f, $1/1e9, $2, $3/1e6, $6 }' | head -20 >&2
+  done
+  echo "steps of the roll:" >&2
+  cat "$DIR/steps" >&2
+  for f in app1.log app2.log haproxy.log; do
+    echo "--- last lines of $f" >&2
+    tail -n 15 "$DIR/$f" >&2
+  done
   exit 1
 fi
 echo "ok: no request failed"
