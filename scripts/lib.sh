@@ -1,23 +1,64 @@
-# Shared by demo.sh and rolling-deploy.sh: throwaway PostgreSQL and Redis,
-# instances of the service, and HAProxy in front — the docker-compose
+# Shared by the demo scripts and rolling-deploy.sh: throwaway PostgreSQL and
+# Redis, instances of the service, and HAProxy in front — the docker-compose
 # topology as local processes. Source it; set LB_PORT, PG_PORT, REDIS_PORT
 # and DIR first. Instance N listens on API_PORTS[N] and OPS_PORTS[N]
 # (default 808N and 909N). Everything started here is stopped by `cleanup`.
+#
+# Every server, instance and log prefixer runs in a session of its own
+# (setsid): the SIGINT a terminal sends to its foreground process group on
+# Ctrl+C reaches only the script, which then stops them in order — the
+# instances first (they drain against a live Redis and PostgreSQL, and their
+# drain log still reaches the terminal), then HAProxy, Redis and PostgreSQL.
 
 read -r -a API_PORTS <<<"0 ${API_PORT1:-8081} ${API_PORT2:-8082}"
 read -r -a OPS_PORTS <<<"0 ${OPS_PORT1:-9091} ${OPS_PORT2:-9092}"
 
 pgbin=$(dirname "$(command -v initdb 2>/dev/null || ls /usr/lib/postgresql/*/bin/initdb | tail -1)")
 as_pg() { if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
-pids=()
+app_pids=() prefixer_pids=() server_pids=()
 
+# check_ports NAME=PORT...: before anything starts, name every port that is
+# taken and the variable that moves it, and stop.
+check_ports() {
+  local taken=0 pair
+  for pair in "$@"; do
+    local name=${pair%%=*} port=${pair#*=}
+    [ "$port" = 0 ] && continue
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+      echo "port $port is taken (something already listens there); set $name=<a free port> to use another" >&2
+      taken=1
+    fi
+  done
+  return "$taken"
+}
+
+# stop_apps sends SIGTERM to every instance still running and waits for each,
+# printing its exit code: the drain is what the demo shows.
+stop_apps() {
+  local n code
+  for n in "${!app_pids[@]}"; do kill -TERM "${app_pids[$n]}" 2>/dev/null || true; done
+  for n in "${!app_pids[@]}"; do
+    wait "${app_pids[$n]}" 2>/dev/null && code=0 || code=$?
+    # Its last lines are still on their way through the prefixer: let them out first.
+    [ -n "${prefixer_pids[$n]:-}" ] && wait "${prefixer_pids[$n]}" 2>/dev/null
+    [ "$code" = 127 ] || echo "app$n exited with code $code"
+  done
+  app_pids=() prefixer_pids=()
+}
+
+# cleanup stops everything in reverse start order. The directory (logs, data)
+# is removed only after a clean run: after a failure, its logs are kept.
 cleanup() {
-  # Ctrl+C reaches the whole process group: ignore the rest while cleaning up.
-  trap '' EXIT INT TERM
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  as_pg "$pgbin/pg_ctl" -D "$DIR/pg" -m fast stop >/dev/null 2>&1 || true
-  rm -rf "$DIR"
+  local status=$?
+  trap '' EXIT
+  trap 'for pid in "${app_pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done' INT TERM # twice: drain cut short, exit 1
+  stop_apps
+  local pid
+  for pid in "${server_pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${server_pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  [ -f "$DIR/pg/postmaster.pid" ] && as_pg "$pgbin/pg_ctl" -D "$DIR/pg" -m fast -w stop >/dev/null 2>&1
+  wait 2>/dev/null || true # the log prefixers end with their instance's output
+  if [ "$status" = 0 ]; then rm -rf "$DIR"; else echo "logs kept in $DIR" >&2; fi
 }
 
 # start_services builds the binary and starts PostgreSQL and Redis.
@@ -26,10 +67,14 @@ start_services() {
   go build -o "$DIR/kumiko-lifecycle-demo" .
   [ "$(id -u)" -eq 0 ] && chown postgres "$DIR"
   as_pg "$pgbin/initdb" -D "$DIR/pg" -U postgres -A trust --no-sync >/dev/null
-  as_pg "$pgbin/pg_ctl" -D "$DIR/pg" -w -l "$DIR/pg.log" \
-    -o "-p $PG_PORT -k $DIR -c listen_addresses=127.0.0.1" start >/dev/null
-  redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >"$DIR/redis.log" 2>&1 &
-  pids+=($!)
+  if ! as_pg setsid "$pgbin/pg_ctl" -D "$DIR/pg" -w -l "$DIR/pg.log" \
+    -o "-p $PG_PORT -k $DIR -c listen_addresses=127.0.0.1" start >/dev/null; then
+    echo "PostgreSQL did not start on :$PG_PORT (set PG_PORT=… to use another port); its log, $DIR/pg.log:" >&2
+    tail -n 20 "$DIR/pg.log" >&2
+    return 1
+  fi
+  setsid redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >"$DIR/redis.log" 2>&1 &
+  server_pids+=($!)
   export DATABASE_URL="postgres://postgres@127.0.0.1:$PG_PORT/postgres?sslmode=disable"
   export REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
   export KUMIKO_MASTER_KEY="${KUMIKO_MASTER_KEY:-$(head -c 32 /dev/urandom | base64)}"
@@ -37,15 +82,20 @@ start_services() {
 }
 
 # start_app N [logfile] starts instance appN; its pid goes to $DIR/appN.pid.
+# Without a log file its output goes to the terminal, each line prefixed [appN].
 start_app() {
   local n=$1 log=${2:-}
   local addrs=(KUMIKO_INSTANCE_ID="app$n" KUMIKO_HTTP_ADDR="127.0.0.1:${API_PORTS[$n]}" KUMIKO_OPS_ADDR="127.0.0.1:${OPS_PORTS[$n]}")
   if [ -n "$log" ]; then
-    env "${addrs[@]}" "$DIR/kumiko-lifecycle-demo" >>"$log" 2>&1 &
+    setsid env "${addrs[@]}" "$DIR/kumiko-lifecycle-demo" >>"$log" 2>&1 &
   else
-    env "${addrs[@]}" "$DIR/kumiko-lifecycle-demo" > >(sed -u "s/^/[app$n] /") 2>&1 &
+    # The prefixer reads a FIFO: a child of this script, so stop_apps can wait for its last line.
+    rm -f "$DIR/app$n.out" && mkfifo "$DIR/app$n.out"
+    setsid sed -u "s/^/[app$n] /" <"$DIR/app$n.out" &
+    prefixer_pids[$n]=$!
+    setsid env "${addrs[@]}" "$DIR/kumiko-lifecycle-demo" >"$DIR/app$n.out" 2>&1 &
   fi
-  pids+=($!)
+  app_pids[$n]=$!
   echo $! >"$DIR/app$n.pid"
 }
 
@@ -84,8 +134,8 @@ backend apps
   server app1 127.0.0.1:${API_PORTS[1]} check port ${OPS_PORTS[1]}
   server app2 127.0.0.1:${API_PORTS[2]} check port ${OPS_PORTS[2]}
 CFG
-  "$haproxy" -f "$DIR/haproxy.cfg" -db >"$DIR/haproxy.log" 2>&1 &
-  pids+=($!)
+  setsid "$haproxy" -f "$DIR/haproxy.cfg" -db >"$DIR/haproxy.log" 2>&1 &
+  server_pids+=($!)
 }
 
 # wait_lb N UP|DOWN waits until HAProxy itself reports appN in that state,
