@@ -198,9 +198,14 @@ func (a *app) drain(ctx context.Context, reason string) error {
 		drainCtx, cancelDrain := context.WithTimeout(ctx, a.cfg.Lifecycle.DrainTimeout)
 		defer cancelDrain()
 		idle := make(chan error, 1)
-		a.step(ctx, "closeListener", func(context.Context) error {
+		a.step(ctx, "closeListener", func(ctx context.Context) error {
 			go func() { idle <- a.api.srv.Shutdown(drainCtx) }()
-			return nil
+			select { // the step ends when the port refuses, not when Shutdown was asked
+			case <-a.api.closed:
+				return nil
+			case <-ctx.Done():
+				return context.Cause(ctx)
+			}
 		})
 
 		// 4. End the event streams with `event: shutdown` and a retry hint.
