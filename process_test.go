@@ -106,7 +106,7 @@ func startProc(t testing.TB, env map[string]string, args ...string) *proc {
 		p.cmd.Process.Kill()
 		<-p.exited
 		if t.Failed() {
-			t.Logf("service stdout:\n%s\nstderr:\n%s", p.logText(), p.stderr.String())
+			t.Logf("service (exit code %d), last 80 log lines:\n%s\nstderr:\n%s", p.code, lastLines(p.logText(), 80), lastLines(p.stderr.String(), 20))
 		}
 	})
 	return p
