@@ -1,7 +1,10 @@
-# syntax=docker/dockerfile:1
 # Build: a static binary (no cgo), so the runtime image needs no libc.
 FROM golang:1.26-bookworm AS build
 WORKDIR /src
+# The module proxy to use (e.g. --build-arg GOPROXY="$(go env GOPROXY)");
+# empty means Go's default. No `# syntax=` line: BuildKit then uses its
+# built-in Dockerfile frontend and builds offline when the base images exist.
+ARG GOPROXY
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .

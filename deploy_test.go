@@ -5,6 +5,8 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -184,3 +186,78 @@ func TestKubernetesManifests(t *testing.T) {
 		t.Errorf("the ConfigMap's shutdown budget %s does not fit the grace period %s", cfg.Lifecycle.ShutdownTimeout, grace)
 	}
 }
+
+// demoSlowMax is KUMIKO_SLOW_MAX's default (SPEC: /api/slow is capped at
+// 60s): the longest request the demo allows through the load balancer.
+const demoSlowMax = 60 * time.Second
+
+// (issue 11) HAProxy re-resolves app1/app2 through Docker's DNS, so it starts
+// while an app container is stopped and follows a restarted container's new
+// IP, and it never cuts a request the demo allows. The Dockerfile has no
+// `# syntax=` line, which would make BuildKit contact a registry.
+func TestHAProxyFollowsContainersAndDockerfileBuildsOffline(t *testing.T) {
+	raw, err := os.ReadFile("deploy/haproxy.cfg")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sections := map[string][]string{} // "resolvers docker" -> its lines
+	var current string
+	for _, line := range strings.Split(string(raw), "\n") {
+		if i := strings.Index(line, "#"); i >= 0 {
+			line = line[:i]
+		}
+		if strings.TrimSpace(line) == "" {
+			continue
+		}
+		if line[0] != ' ' && line[0] != '\t' {
+			current = strings.Join(strings.Fields(line), " ")
+			continue
+		}
+		sections[current] = append(sections[current], strings.Join(strings.Fields(line), " "))
+	}
+	if !slices.Contains(sections["resolvers docker"], "nameserver dns 127.0.0.11:53") {
+		t.Errorf("no `resolvers docker` section with Docker's DNS 127.0.0.11:53: %q", sections["resolvers docker"])
+	}
+	var defaultServer string
+	servers := 0
+	for _, line := range sections["backend apps"] {
+		if strings.HasPrefix(line, "default-server ") {
+			defaultServer = line
+		}
+	}
+	for _, line := range sections["backend apps"] {
+		if !strings.HasPrefix(line, "server ") {
+			continue
+		}
+		servers++
+		opts := " " + defaultServer + " " + line + " "
+		if !strings.Contains(opts, " resolvers docker ") || !regexpInitAddrNone.MatchString(opts) {
+			t.Errorf("%q (with %q) must use `resolvers docker` and `init-addr ...,none`", line, defaultServer)
+		}
+	}
+	if servers != 2 {
+		t.Errorf("want 2 servers in backend apps, got %d", servers)
+	}
+	timeoutServer := time.Duration(0)
+	for _, line := range sections["defaults"] {
+		if v, ok := strings.CutPrefix(line, "timeout server "); ok {
+			timeoutServer, err = time.ParseDuration(v)
+			if err != nil {
+				t.Fatalf("timeout server %q: %v", v, err)
+			}
+		}
+	}
+	if timeoutServer <= demoSlowMax {
+		t.Errorf("timeout server %s cuts requests the demo allows (/api/slow up to %s): want more, with margin", timeoutServer, demoSlowMax)
+	}
+
+	dockerfile, err := os.ReadFile("Dockerfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if regexp.MustCompile(`(?mi)^#\s*syntax\s*=`).Match(dockerfile) {
+		t.Errorf("the Dockerfile has a `# syntax=` line: BuildKit would fetch that frontend from a registry")
+	}
+}
+
+var regexpInitAddrNone = regexp.MustCompile(` init-addr (\S+,)?none[ ,]`)
