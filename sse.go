@@ -56,6 +56,11 @@ type sseHub struct {
 	closing    bool  // the drain has begun: no new streams
 	active     sync.WaitGroup
 
+	// replaying bounds the replay reads in flight, so a crowd of streams
+	// reconnecting at once (another instance drained) queues here instead of
+	// taking every pool connection the API and the workers need.
+	replaying chan struct{}
+
 	pubsub   *redis.PubSub
 	stopping chan struct{}
 	done     chan struct{}
@@ -103,13 +108,22 @@ func (s *sseStream) forceClose() {
 	s.cancel()
 }
 
-// send writes frames to the client and flushes them within the write timeout.
-func (s *sseStream) send(w http.ResponseWriter, frame []byte) error {
+// write hands frames to net/http's buffer, which may write to the client:
+// within the write timeout.
+func (s *sseStream) write(w http.ResponseWriter, frames []byte) error {
 	if err := s.arm(); err != nil {
 		return err
 	}
-	if _, err := w.Write(frame); err != nil {
+	if _, err := w.Write(frames); err != nil {
 		return fmt.Errorf("writing to the event stream: %w", err)
+	}
+	return nil
+}
+
+// flush sends what is buffered to the client within the write timeout.
+func (s *sseStream) flush() error {
+	if err := s.arm(); err != nil {
+		return err
 	}
 	if err := s.rc.Flush(); err != nil {
 		return fmt.Errorf("flushing the event stream: %w", err)
@@ -117,9 +131,18 @@ func (s *sseStream) send(w http.ResponseWriter, frame []byte) error {
 	return nil
 }
 
+// send writes frames and flushes them.
+func (s *sseStream) send(w http.ResponseWriter, frames []byte) error {
+	if err := s.write(w, frames); err != nil {
+		return err
+	}
+	return s.flush()
+}
+
 func newSSEHub(db *pgxpool.Pool, rdb *redis.Client, cfg sseConfig, poll time.Duration, log *logrus.Logger, m *metrics, onPanic func(any)) *sseHub {
 	return &sseHub{db: db, rdb: rdb, cfg: cfg, poll: poll, log: log.WithField("component", "sse"), metrics: m,
-		onPanic: onPanic, handlers: map[*sseStream]struct{}{}, subscribed: map[*sseStream]struct{}{}, perIP: map[string]uint{}}
+		onPanic: onPanic, handlers: map[*sseStream]struct{}{}, subscribed: map[*sseStream]struct{}{}, perIP: map[string]uint{},
+		replaying: make(chan struct{}, max(1, db.Config().MaxConns/4))}
 }
 
 // Start subscribes to the events channel and reads where delivery stands, both
@@ -423,16 +446,17 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string)
 		// already sent.
 		for err == nil {
 			var events []outboxEvent
-			if events, err = deliveredAfter(ctx, db, cursor, streamPage); err != nil {
+			if events, err = h.replayPage(ctx, cursor); err != nil {
 				break
 			}
-			var frames []byte
-			for _, ev := range events {
-				frames = appendEvent(frames, &ev)
-				cursor = ev.Seq
+			var frame []byte
+			for i := 0; i < len(events) && err == nil; i++ {
+				frame = appendEvent(frame[:0], &events[i])
+				err = s.write(w, frame)
+				cursor = events[i].Seq
 			}
-			if len(frames) > 0 {
-				err = s.send(w, frames)
+			if err == nil && len(events) > 0 {
+				err = s.flush()
 			}
 			if len(events) < streamPage {
 				break
@@ -464,6 +488,17 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string)
 		h.streamEnded(err)
 		return nil // the response is committed: the stream just ends
 	}
+}
+
+// replayPage reads the next page of a stream's replay, waiting for a replay slot.
+func (h *sseHub) replayPage(ctx context.Context, cursor int64) ([]outboxEvent, error) {
+	select {
+	case h.replaying <- struct{}{}:
+	case <-ctx.Done():
+		return nil, context.Cause(ctx)
+	}
+	defer func() { <-h.replaying }()
+	return deliveredAfter(ctx, h.db, cursor, streamPage)
 }
 
 // streamEnded logs why a stream ended early. A client that left is routine; a
