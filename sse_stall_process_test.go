@@ -143,7 +143,7 @@ func TestProcessStalledStreamsDrain(t *testing.T) {
 func TestProcessStalledStreamHoldsItsSlotUntilDropped(t *testing.T) {
 	env := fastEnv(t)
 	env["KUMIKO_SSE_MAX_STREAMS"] = "3"
-	env["KUMIKO_SSE_WRITE_TIMEOUT"] = "3s"
+	env["KUMIKO_SSE_WRITE_TIMEOUT"] = "6s" // long enough that the first probes come before it
 	env["KUMIKO_SSE_MAX_STREAMS_PER_IP"] = "0"
 	p := startProc(t, env)
 	ops, api := p.waitReady()
