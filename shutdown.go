@@ -210,6 +210,7 @@ func (a *app) drain(ctx context.Context, reason string) error {
 		//    client that stopped reading cannot take its goodbye, so what is
 		//    left when the budget ends is force-closed (its write deadline
 		//    pulled to now), and the release hooks below keep their share.
+		//    Steps 4 and 5 share the one drain budget, drainCtx.
 		a.step(ctx, "sseClose", func(ctx context.Context) error {
 			asked, forced, err := a.sse.closeStreams(drainCtx, ctx)
 			// streams_open is kumiko_sse_streams now: 0 unless a handler outlived its force-close.
@@ -223,7 +224,9 @@ func (a *app) drain(ctx context.Context, reason string) error {
 		})
 
 		// 5. Wait for in-flight requests up to KUMIKO_DRAIN_TIMEOUT, then
-		//    force-close what is left, with a warning and a metric.
+		//    force-close what is left, with a warning and a metric. Shutdown
+		//    may also time out on the connections of streams step 4 has just
+		//    force-closed: those are no requests, so no warning for them.
 		a.step(ctx, "inFlight", func(context.Context) error {
 			if err := <-idle; err != nil {
 				if n := a.inFlight.Load(); n > 0 {
