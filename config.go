@@ -68,6 +68,10 @@ type sseConfig struct {
 	MaxStreams uint          // open event streams per instance; beyond, 503
 	Heartbeat  time.Duration // comment lines that keep idle proxies from closing a stream
 	RetryHint  time.Duration // the retry: a client waits before reconnecting
+	// A write (replay, event, ping, goodbye) that cannot reach the client within
+	// this ends the stream, so a reader that stopped reading cannot pin a handler.
+	WriteTimeout    time.Duration
+	MaxStreamsPerIP uint // open streams per client address; beyond, 429; 0 turns the cap off
 }
 
 type searchConfig struct {
@@ -129,7 +133,8 @@ func defaultConfig() config {
 		Storage:   storageConfig{Bucket: "kumiko-demo"},
 		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, Listen: true, MaxAttempts: 10,
 			RetryBase: time.Second, RetryMax: 5 * time.Minute},
-		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second},
+		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second,
+			WriteTimeout: 10 * time.Second, MaxStreamsPerIP: 20},
 		Jobs: jobsConfig{Workers: 10, PollInterval: time.Second, Timeout: time.Minute, RescueAfter: time.Hour,
 			ReportCron: "*/5 * * * *"},
 		Lifecycle: lifecycleConfig{
@@ -196,6 +201,8 @@ func (c *config) settings() []configSetting {
 		{"sse.maxStreams", "KUMIKO_SSE_MAX_STREAMS", uintValue{p: &c.SSE.MaxStreams}},
 		{"sse.heartbeatSec", "KUMIKO_SSE_HEARTBEAT", durationValue{p: &c.SSE.Heartbeat}},
 		{"sse.retrySec", "KUMIKO_SSE_RETRY", durationValue{p: &c.SSE.RetryHint}},
+		{"sse.writeTimeoutSec", "KUMIKO_SSE_WRITE_TIMEOUT", durationValue{p: &c.SSE.WriteTimeout}},
+		{"sse.maxStreamsPerIp", "KUMIKO_SSE_MAX_STREAMS_PER_IP", uintValue{p: &c.SSE.MaxStreamsPerIP}},
 
 		{"lifecycle.startupTimeoutSec", "KUMIKO_STARTUP_TIMEOUT", durationValue{p: &l.StartupTimeout}},
 		{"lifecycle.shutdownTimeoutSec", "KUMIKO_SHUTDOWN_TIMEOUT", durationValue{p: &l.ShutdownTimeout}},

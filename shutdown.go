@@ -211,21 +211,34 @@ func (a *app) drain(ctx context.Context, reason string) error {
 		// 4. End the event streams with `event: shutdown` and a retry hint.
 		//    http.Server.Shutdown never ends a streaming response by itself,
 		//    and streams are not in-flight requests: the drain would otherwise
-		//    always run into its timeout.
+		//    always run into its timeout. This step runs on the drain budget: a
+		//    client that stopped reading cannot take its goodbye, so what is
+		//    left when the budget ends is force-closed (its write deadline
+		//    pulled to now), and the release hooks below keep their share.
+		//    Steps 4 and 5 share the one drain budget, drainCtx.
 		a.step(ctx, "sseClose", func(ctx context.Context) error {
-			n, err := a.sse.closeStreams(ctx)
-			a.log.WithFields(logrus.Fields{"component": "sse", "streams": n}).Info("event streams closed")
+			asked, forced, err := a.sse.closeStreams(drainCtx, ctx)
+			// streams_open is kumiko_sse_streams now: 0 unless a handler outlived its force-close.
+			entry := a.log.WithFields(logrus.Fields{"component": "sse", "streams": asked, "forced": forced, "streams_open": a.sse.openStreams()})
+			if forced > 0 {
+				entry.WithField("drain_timeout_ms", a.cfg.Lifecycle.DrainTimeout.Milliseconds()).Warn("drain timeout: force-closed event streams that did not end")
+			} else {
+				entry.Info("event streams closed")
+			}
 			return err
 		})
 
 		// 5. Wait for in-flight requests up to KUMIKO_DRAIN_TIMEOUT, then
-		//    force-close what is left, with a warning and a metric.
+		//    force-close what is left, with a warning and a metric. Shutdown
+		//    may also time out on the connections of streams step 4 has just
+		//    force-closed: those are no requests, so no warning for them.
 		a.step(ctx, "inFlight", func(context.Context) error {
 			if err := <-idle; err != nil {
-				n := a.inFlight.Load()
-				a.metrics.shutdownForced.Add(float64(n))
-				a.log.WithFields(logrus.Fields{"component": "lifecycle", "step": "inFlight", "requests": n,
-					"drain_timeout_ms": a.cfg.Lifecycle.DrainTimeout.Milliseconds()}).Warn("drain timeout: force-closing requests still in flight")
+				if n := a.inFlight.Load(); n > 0 {
+					a.metrics.shutdownForced.Add(float64(n))
+					a.log.WithFields(logrus.Fields{"component": "lifecycle", "step": "inFlight", "requests": n,
+						"drain_timeout_ms": a.cfg.Lifecycle.DrainTimeout.Milliseconds()}).Warn("drain timeout: force-closing requests still in flight")
+				}
 				a.api.srv.Close()
 			}
 			<-a.api.done

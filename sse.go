@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"sync"
 	"time"
@@ -17,11 +19,16 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-// replayPage bounds one read of delivered events from Postgres.
-const replayPage = 500
+// hubPage bounds one read of delivered events by the hub.
+const hubPage = 500
+
+// streamPage bounds one replay read by a stream handler: what a reader that
+// stopped reading can hold, however far back its Last-Event-ID points.
+const streamPage = 100
 
 // streamBuffer is how far a stream may fall behind the hub before it is
-// closed; its client reconnects with Last-Event-ID and loses nothing.
+// closed; its client reconnects with Last-Event-ID and loses nothing. The
+// buffer holds pointers to events the hub shares among all streams.
 const streamBuffer = 1024
 
 // sseHub fans delivered events out to this instance's event streams.
@@ -38,11 +45,21 @@ type sseHub struct {
 	metrics *metrics
 	onPanic func(recovered any)
 
-	mu      sync.Mutex
-	streams map[*sseStream]struct{}
-	cursor  int64 // delivery_seq of the last event handed to the streams
-	closing bool  // the drain has begun: no new streams
-	active  sync.WaitGroup
+	mu sync.Mutex
+	// handlers are the streams whose handler has not returned yet: they count
+	// against the caps, and the drain force-closes them. subscribed is the
+	// subset the hub still hands events to.
+	handlers   map[*sseStream]struct{}
+	subscribed map[*sseStream]struct{}
+	perIP      map[string]uint
+	cursor     int64 // delivery_seq of the last event handed to the streams
+	closing    bool  // the drain has begun: no new streams
+	active     sync.WaitGroup
+
+	// replaying bounds the replay reads in flight, so a crowd of streams
+	// reconnecting at once (another instance drained) queues here instead of
+	// taking every pool connection the API and the workers need.
+	replaying chan struct{}
 
 	pubsub   *redis.PubSub
 	stopping chan struct{}
@@ -51,14 +68,81 @@ type sseHub struct {
 
 // sseStream is one client's stream as the hub sees it.
 type sseStream struct {
-	events   chan outboxEvent
+	ip       string
+	events   chan *outboxEvent
 	closed   chan struct{} // closed by the hub: the drain, or a client too slow
 	shutdown bool          // closed by the drain: say goodbye with a retry hint
+	ctx      context.Context
+	cancel   context.CancelFunc
+	rc       *http.ResponseController
+	timeout  time.Duration
+
+	mu     sync.Mutex
+	forced bool // the drain gave up on this stream: no more writes
+}
+
+// errStreamForced ends a stream the drain force-closed.
+var errStreamForced = errors.New("event stream force-closed by the drain")
+
+// arm gives the next write its deadline. The stream's lock orders it against
+// forceClose, so a handler cannot push back a deadline the drain pulled in.
+func (s *sseStream) arm() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.forced {
+		return errStreamForced
+	}
+	if err := s.rc.SetWriteDeadline(time.Now().Add(s.timeout)); err != nil {
+		return fmt.Errorf("setting the write deadline: %w", err)
+	}
+	return nil
+}
+
+// forceClose makes a write in progress fail now and every later one at once,
+// and cancels what the handler waits for: it returns without a hijack.
+func (s *sseStream) forceClose() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.forced = true
+	_ = s.rc.SetWriteDeadline(time.Now()) // fails only when the connection is gone already
+	s.cancel()
+}
+
+// write hands frames to net/http's buffer, which may write to the client:
+// within the write timeout.
+func (s *sseStream) write(w http.ResponseWriter, frames []byte) error {
+	if err := s.arm(); err != nil {
+		return err
+	}
+	if _, err := w.Write(frames); err != nil {
+		return fmt.Errorf("writing to the event stream: %w", err)
+	}
+	return nil
+}
+
+// flush sends what is buffered to the client within the write timeout.
+func (s *sseStream) flush() error {
+	if err := s.arm(); err != nil {
+		return err
+	}
+	if err := s.rc.Flush(); err != nil {
+		return fmt.Errorf("flushing the event stream: %w", err)
+	}
+	return nil
+}
+
+// send writes frames and flushes them.
+func (s *sseStream) send(w http.ResponseWriter, frames []byte) error {
+	if err := s.write(w, frames); err != nil {
+		return err
+	}
+	return s.flush()
 }
 
 func newSSEHub(db *pgxpool.Pool, rdb *redis.Client, cfg sseConfig, poll time.Duration, log *logrus.Logger, m *metrics, onPanic func(any)) *sseHub {
 	return &sseHub{db: db, rdb: rdb, cfg: cfg, poll: poll, log: log.WithField("component", "sse"), metrics: m,
-		onPanic: onPanic, streams: map[*sseStream]struct{}{}}
+		onPanic: onPanic, handlers: map[*sseStream]struct{}{}, subscribed: map[*sseStream]struct{}{}, perIP: map[string]uint{},
+		replaying: make(chan struct{}, max(1, db.Config().MaxConns/4))}
 }
 
 // Start subscribes to the events channel and reads where delivery stands, both
@@ -154,7 +238,7 @@ func (h *sseHub) catchUp(ctx context.Context, target int64) {
 			return
 		}
 		switch {
-		case n == replayPage:
+		case n == hubPage:
 			continue
 		case h.position() >= target || wait > 128*time.Millisecond:
 			return
@@ -173,24 +257,26 @@ func (h *sseHub) position() int64 {
 }
 
 func (h *sseHub) readAfterCursor(ctx context.Context) (int, error) {
-	events, err := deliveredAfter(ctx, h.db, h.position())
+	events, err := deliveredAfter(ctx, h.db, h.position(), hubPage)
 	if err != nil {
 		return 0, err
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	for _, ev := range events {
+	for i := range events {
+		ev := &events[i] // shared by every stream: a stream buffers pointers, not copies
 		if ev.Seq <= h.cursor {
 			continue
 		}
 		h.cursor = ev.Seq
-		for s := range h.streams {
+		for s := range h.subscribed {
 			select {
 			case s.events <- ev:
 			default:
 				// Too far behind: close it rather than block everyone; the
-				// client resumes from its Last-Event-ID.
-				delete(h.streams, s)
+				// client resumes from its Last-Event-ID. The stream still
+				// counts against the caps until its handler has returned.
+				delete(h.subscribed, s)
 				close(s.closed)
 				h.metrics.sseDropped.Inc()
 			}
@@ -199,59 +285,88 @@ func (h *sseHub) readAfterCursor(ctx context.Context) (int, error) {
 	return len(events), nil
 }
 
-// deliveredAfter reads up to replayPage delivered events after seq, in delivery order.
-func deliveredAfter(ctx context.Context, db *pgxpool.Pool, seq int64) ([]outboxEvent, error) {
+// deliveredAfter reads up to limit delivered events after seq, in delivery order.
+func deliveredAfter(ctx context.Context, db *pgxpool.Pool, seq int64, limit int) ([]outboxEvent, error) {
 	rows, err := db.Query(ctx, `SELECT id, delivery_seq, event_type, aggregate_type, aggregate_id, payload, created_at
-		FROM outbox_events WHERE delivery_seq > $1 ORDER BY delivery_seq LIMIT $2`, seq, replayPage)
+		FROM outbox_events WHERE delivery_seq > $1 ORDER BY delivery_seq LIMIT $2`, seq, limit)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("reading delivered events after %d: %w", seq, err)
 	}
-	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (outboxEvent, error) {
+	events, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (outboxEvent, error) {
 		var e outboxEvent
 		err := row.Scan(&e.ID, &e.Seq, &e.Type, &e.AggregateType, &e.AggregateID, &e.Payload, &e.CreatedAt)
 		return e, err
 	})
+	if err != nil {
+		return nil, fmt.Errorf("reading delivered events after %d: %w", seq, err)
+	}
+	return events, nil
 }
 
-// open registers a stream; it returns the hub's position at that moment.
-func (h *sseHub) open() (*sseStream, int64, error) {
+// open registers a stream for a client at ip, writing through rc; it returns
+// the hub's position at that moment. The stream counts against
+// KUMIKO_SSE_MAX_STREAMS and KUMIKO_SSE_MAX_STREAMS_PER_IP until release.
+func (h *sseHub) open(ctx context.Context, ip string, rc *http.ResponseController) (*sseStream, int64, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.closing {
 		return nil, 0, apiError(http.StatusServiceUnavailable, "unavailable", "instance is draining")
 	}
-	if uint(len(h.streams)) >= h.cfg.MaxStreams {
+	if uint(len(h.handlers)) >= h.cfg.MaxStreams {
 		return nil, 0, apiError(http.StatusServiceUnavailable, "too_many_streams", "this instance serves its maximum of event streams; retry")
 	}
-	s := &sseStream{events: make(chan outboxEvent, streamBuffer), closed: make(chan struct{})}
-	h.streams[s] = struct{}{}
+	if h.cfg.MaxStreamsPerIP > 0 && h.perIP[ip] >= h.cfg.MaxStreamsPerIP {
+		return nil, 0, apiError(http.StatusTooManyRequests, "too_many_streams_from_ip",
+			fmt.Sprintf("at most %d event streams per client address; close one first", h.cfg.MaxStreamsPerIP))
+	}
+	s := &sseStream{ip: ip, events: make(chan *outboxEvent, streamBuffer), closed: make(chan struct{}), rc: rc, timeout: h.cfg.WriteTimeout}
+	s.ctx, s.cancel = context.WithCancel(ctx)
+	h.handlers[s] = struct{}{}
+	h.subscribed[s] = struct{}{}
+	h.perIP[ip]++
 	h.active.Add(1)
 	h.metrics.sseStreams.Inc()
 	return s, h.cursor, nil
 }
 
+// release is the last thing a stream handler does: only now is its slot free.
 func (h *sseHub) release(s *sseStream) {
+	s.cancel()
 	h.mu.Lock()
-	if _, ok := h.streams[s]; ok {
-		delete(h.streams, s)
+	if _, ok := h.subscribed[s]; ok {
+		delete(h.subscribed, s)
 		close(s.closed)
 	}
-	h.mu.Unlock()
+	delete(h.handlers, s)
+	if h.perIP[s.ip]--; h.perIP[s.ip] == 0 {
+		delete(h.perIP, s.ip)
+	}
 	h.metrics.sseStreams.Dec()
+	h.mu.Unlock()
 	h.active.Done()
 }
 
-// closeStreams is drain step 4: every stream ends with `event: shutdown` and a
-// retry hint, and no new one opens. http.Server.Shutdown never ends a
-// streaming response by itself, so without this the drain would always wait
-// for its timeout. It returns when every stream handler has returned.
-func (h *sseHub) closeStreams(ctx context.Context) (int, error) {
+// openStreams is the number of stream handlers that have not returned, the
+// value of kumiko_sse_streams (both change under h.mu).
+func (h *sseHub) openStreams() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return len(h.handlers)
+}
+
+// closeStreams is drain step 4: every stream is asked to end with `event:
+// shutdown` and a retry hint, and no new one opens. http.Server.Shutdown never
+// ends a streaming response by itself, so without this the drain would always
+// wait for its timeout. The handlers get until drain ends (the drain budget)
+// to say goodbye; a reader that stopped reading cannot take the goodbye, so
+// what is left then is force-closed and waited for until hard ends.
+func (h *sseHub) closeStreams(drain, hard context.Context) (asked, forced int, err error) {
 	h.mu.Lock()
 	h.closing = true
-	n := len(h.streams)
-	for s := range h.streams {
+	asked = len(h.handlers)
+	for s := range h.subscribed {
 		s.shutdown = true
-		delete(h.streams, s)
+		delete(h.subscribed, s)
 		close(s.closed)
 	}
 	h.mu.Unlock()
@@ -259,32 +374,61 @@ func (h *sseHub) closeStreams(ctx context.Context) (int, error) {
 	go func() { h.active.Wait(); close(ended) }()
 	select {
 	case <-ended:
-		return n, nil
-	case <-ctx.Done():
-		return n, fmt.Errorf("event streams still open: %w", context.Cause(ctx))
+		return asked, 0, nil
+	case <-drain.Done():
+	}
+
+	h.mu.Lock()
+	forced = len(h.handlers)
+	for s := range h.handlers {
+		s.forceClose()
+	}
+	h.mu.Unlock()
+	select {
+	case <-ended:
+		return asked, forced, nil
+	case <-hard.Done():
+		return asked, forced, fmt.Errorf("event stream handlers still running after being force-closed: %w", context.Cause(hard))
 	}
 }
 
 // handleEvents is GET /api/events: delivered events as Server-Sent Events,
 // `id:` being the outbox id. A client that reconnects with Last-Event-ID (or
 // ?lastEventId=) gets every event delivered after that one, then the live
-// stream, in delivery order — also when it moves to another instance.
+// stream, in delivery order — also when it moves to another instance. When
+// that event is no longer kept (outbox retention deleted it), the stream
+// starts with `event: reset` instead: the client reloads its state and goes on
+// from the id the reset frame carries.
+//
+// Every write has a deadline (KUMIKO_SSE_WRITE_TIMEOUT): a client that stops
+// reading ends its stream instead of pinning the handler, its memory and its
+// slot. Nothing is read from Postgres while a write is pending, and a replay
+// reads one page of streamPage events at a time.
 func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		ctx := c.Request().Context()
 		lastID := c.Request().Header.Get("Last-Event-ID")
 		if lastID == "" {
 			lastID = c.QueryParam("lastEventId")
 		}
-		s, cursor, err := h.open()
+		// The controller must reach net/http's writer: echo.Response is an
+		// http.Flusher that swallows flush errors.
+		rc := http.NewResponseController(c.Response().Unwrap())
+		s, cursor, err := h.open(c.Request().Context(), sseClientIP(c.Request()), rc)
 		if err != nil {
-			c.Response().Header().Set("Retry-After", "1")
+			c.Response().Header().Set("Retry-After", strconv.Itoa(max(1, int(cfg.RetryHint.Round(time.Second).Seconds()))))
 			return err
 		}
 		defer h.release(s)
+		ctx := s.ctx
+		var reset []byte
 		if lastID != "" {
-			if cursor, err = resumeSeq(ctx, db, lastID); err != nil {
+			r, err := resumePoint(ctx, db, lastID)
+			if err != nil {
 				return err
+			}
+			cursor = r.seq
+			if r.expired {
+				reset = resetFrame(r)
 			}
 		}
 
@@ -292,72 +436,162 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string)
 		w.Header().Set(echo.HeaderContentType, "text/event-stream")
 		w.Header().Set(echo.HeaderCacheControl, "no-cache")
 		w.Header().Set("X-Accel-Buffering", "no") // nginx: do not buffer the stream
+		// The write deadlines stay on the connection: it must not serve another request.
+		w.Header().Set(echo.HeaderConnection, "close")
 		w.WriteHeader(http.StatusOK)
-		fmt.Fprintf(w, "retry: %d\n\n", cfg.RetryHint.Milliseconds())
-		w.Flush()
+		err = s.send(w, fmt.Appendf(reset, "retry: %d\n\n", cfg.RetryHint.Milliseconds()))
 
-		// Replay from Postgres what the client has not seen; live events the
-		// hub hands over meanwhile are skipped below if already sent.
-		for {
-			events, err := deliveredAfter(ctx, db, cursor)
-			if err != nil {
-				return nil // the client reconnects and resumes
+		// Replay from Postgres what the client has not seen, a page at a
+		// time; live events the hub hands over meanwhile are skipped below if
+		// already sent.
+		for err == nil {
+			var events []outboxEvent
+			if events, err = h.replayPage(ctx, cursor); err != nil {
+				break
 			}
-			for _, ev := range events {
-				writeEvent(w, ev)
-				cursor = ev.Seq
+			var frame []byte
+			for i := 0; i < len(events) && err == nil; i++ {
+				frame = appendEvent(frame[:0], &events[i])
+				err = s.write(w, frame)
+				cursor = events[i].Seq
 			}
-			w.Flush()
-			if len(events) < replayPage {
+			if err == nil && len(events) > 0 {
+				err = s.flush()
+			}
+			if len(events) < streamPage {
 				break
 			}
 		}
 
 		heartbeat := time.NewTicker(cfg.Heartbeat)
 		defer heartbeat.Stop()
-		for {
+		for err == nil {
 			select {
 			case ev := <-s.events:
-				if ev.Seq <= cursor {
-					continue
+				if ev.Seq > cursor {
+					err = s.send(w, appendEvent(nil, ev))
+					cursor = ev.Seq
 				}
-				writeEvent(w, ev)
-				cursor = ev.Seq
-				w.Flush()
 			case <-heartbeat.C:
-				fmt.Fprint(w, ": ping\n\n")
-				w.Flush()
+				err = s.send(w, []byte(": ping\n\n"))
 			case <-s.closed:
-				if s.shutdown {
-					fmt.Fprintf(w, "event: shutdown\ndata: {\"instanceId\":%q}\nretry: %d\n\n", instanceID, cfg.RetryHint.Milliseconds())
-					w.Flush()
+				if !s.shutdown {
+					return nil // too far behind: the client resumes from its Last-Event-ID
 				}
-				return nil
+				if err = s.send(w, fmt.Appendf(nil, "event: shutdown\ndata: {\"instanceId\":%q}\nretry: %d\n\n", instanceID, cfg.RetryHint.Milliseconds())); err == nil {
+					return nil
+				}
 			case <-ctx.Done():
 				return nil
 			}
 		}
+		h.streamEnded(err)
+		return nil // the response is committed: the stream just ends
 	}
 }
 
-// resumeSeq finds where in the delivery order the client's last event was.
-func resumeSeq(ctx context.Context, db *pgxpool.Pool, lastID string) (int64, error) {
+// replayPage reads the next page of a stream's replay, waiting for a replay slot.
+func (h *sseHub) replayPage(ctx context.Context, cursor int64) ([]outboxEvent, error) {
+	select {
+	case h.replaying <- struct{}{}:
+	case <-ctx.Done():
+		return nil, context.Cause(ctx)
+	}
+	defer func() { <-h.replaying }()
+	return deliveredAfter(ctx, h.db, cursor, streamPage)
+}
+
+// streamEnded logs why a stream ended early. A client that left is routine; a
+// client that stopped reading, or a stream the drain had to force-close, is
+// worth a line.
+func (h *sseHub) streamEnded(err error) {
+	switch {
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		h.log.WithFields(logrus.Fields{"event": "stream_dropped", "reason": "write_timeout",
+			"write_timeout_ms": h.cfg.WriteTimeout.Milliseconds()}).Info("event stream dropped: the client stopped reading")
+	case errors.Is(err, errStreamForced):
+		h.log.WithFields(logrus.Fields{"event": "stream_dropped", "reason": "forced"}).Info("event stream force-closed by the drain")
+	default:
+		h.log.WithFields(logrus.Fields{"event": "stream_dropped", "reason": "client_gone"}).WithError(err).Debug("event stream ended")
+	}
+}
+
+// sseClientIP is the address the connection comes from. X-Forwarded-For is
+// not trusted: any client could set it to escape the per-address cap.
+func sseClientIP(r *http.Request) string {
+	host, _, err := net.SplitHostPort(r.RemoteAddr)
+	if err != nil {
+		return r.RemoteAddr
+	}
+	return host
+}
+
+// resume is where a reconnecting client's stream starts.
+type resume struct {
+	seq       int64 // the delivery position to replay after
+	expired   bool  // the client's last event is no longer kept: it must reload its state
+	requested int64 // the client's Last-Event-ID
+	oldest    int64 // the oldest event id still kept (0: none)
+	from      int64 // after a reset: the newest delivered event, where the stream goes on from (0: none)
+}
+
+// resumePoint finds where in the delivery order the client's last event was.
+// An id that is gone although later ones exist was deleted by the outbox
+// retention (or never committed): what the client missed cannot be replayed,
+// so the stream resets to the newest delivered event.
+func resumePoint(ctx context.Context, db *pgxpool.Pool, lastID string) (resume, error) {
 	id, err := strconv.ParseInt(lastID, 10, 64)
 	if err != nil || id < 1 {
-		return 0, apiError(http.StatusBadRequest, "invalid_last_event_id", "Last-Event-ID must be an event id")
+		return resume{}, apiError(http.StatusBadRequest, "invalid_last_event_id", "Last-Event-ID must be an event id")
 	}
+	r := resume{requested: id}
 	var seq *int64
-	err = db.QueryRow(ctx, `SELECT delivery_seq FROM outbox_events WHERE id = $1`, id).Scan(&seq)
-	if errors.Is(err, pgx.ErrNoRows) || (err == nil && seq == nil) {
-		return 0, apiError(http.StatusBadRequest, "unknown_last_event_id", fmt.Sprintf("event %d was never delivered", id))
-	}
+	var found bool
+	var maxID int64
+	err = db.QueryRow(ctx, `SELECT
+			EXISTS (SELECT 1 FROM outbox_events WHERE id = $1),
+			(SELECT delivery_seq FROM outbox_events WHERE id = $1),
+			coalesce((SELECT min(id) FROM outbox_events), 0),
+			coalesce((SELECT max(id) FROM outbox_events), 0)`, id).Scan(&found, &seq, &r.oldest, &maxID)
 	if err != nil {
-		return 0, err
+		return resume{}, fmt.Errorf("looking up Last-Event-ID %d: %w", id, err)
 	}
-	return *seq, nil
+	switch {
+	case found && seq != nil:
+		r.seq = *seq
+		return r, nil
+	case found || id > maxID:
+		return resume{}, apiError(http.StatusBadRequest, "unknown_last_event_id", fmt.Sprintf("event %d was never delivered", id))
+	}
+	r.expired = true
+	err = db.QueryRow(ctx, `SELECT coalesce(max(delivery_seq), 0),
+			coalesce((SELECT id FROM outbox_events WHERE delivery_seq IS NOT NULL ORDER BY delivery_seq DESC LIMIT 1), 0)
+		FROM outbox_events`).Scan(&r.seq, &r.from)
+	if err != nil {
+		return resume{}, fmt.Errorf("reading the newest delivered event: %w", err)
+	}
+	return r, nil
 }
 
-func writeEvent(w *echo.Response, ev outboxEvent) {
+// resetFrame tells a client that its Last-Event-ID is older than what the
+// outbox keeps. Its id moves the client's Last-Event-ID to the newest event,
+// so a later reconnect resumes from there instead of resetting again.
+func resetFrame(r resume) []byte {
+	data, _ := json.Marshal(map[string]any{ // ints and a string
+		"reason":       "last_event_id_expired",
+		"message":      "events after your Last-Event-ID are no longer kept: reload your state, then go on from resumeFrom",
+		"lastEventId":  r.requested,
+		"oldestKeptId": r.oldest,
+		"resumeFrom":   r.from,
+	})
+	var b []byte
+	if r.from != 0 {
+		b = fmt.Appendf(b, "id: %d\n", r.from)
+	}
+	return fmt.Appendf(b, "event: reset\ndata: %s\n\n", data)
+}
+
+func appendEvent(b []byte, ev *outboxEvent) []byte {
 	data, _ := json.Marshal(ev) // fields are ints, strings, a time and valid JSON
-	fmt.Fprintf(w, "id: %d\nevent: %s\ndata: %s\n\n", ev.ID, ev.Type, data)
+	return fmt.Appendf(b, "id: %d\nevent: %s\ndata: %s\n\n", ev.ID, ev.Type, data)
 }

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"io"
 	"net/http"
 	"strconv"
 	"strings"
@@ -30,10 +31,18 @@ type sseClient struct {
 	mu     sync.Mutex
 	frames []sseFrame
 	status int
+	header http.Header
+	body   string // the error body when status is not 200
 }
 
 // openSSE connects to base+/api/events, resuming after lastID when it is not 0.
 func openSSE(t *testing.T, base string, lastID int64) *sseClient {
+	t.Helper()
+	return openSSEWith(t, http.DefaultClient, base, lastID)
+}
+
+// openSSEWith is openSSE through client (e.g. one bound to another source address).
+func openSSEWith(t *testing.T, client *http.Client, base string, lastID int64) *sseClient {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	c := &sseClient{t: t, cancel: cancel, ended: make(chan struct{})}
@@ -42,12 +51,14 @@ func openSSE(t *testing.T, base string, lastID int64) *sseClient {
 	if lastID != 0 {
 		req.Header.Set("Last-Event-ID", strconv.FormatInt(lastID, 10))
 	}
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := client.Do(req)
 	if err != nil {
 		t.Fatalf("opening the event stream at %s: %v", base, err)
 	}
-	c.status = resp.StatusCode
+	c.status, c.header = resp.StatusCode, resp.Header
 	if resp.StatusCode != http.StatusOK {
+		raw, _ := io.ReadAll(resp.Body)
+		c.body = string(raw)
 		resp.Body.Close()
 		close(c.ended)
 		return c
