@@ -1,7 +1,9 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -10,9 +12,12 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"os"
+	"reflect"
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/jackc/pgerrcode"
@@ -65,12 +70,18 @@ func (o newOrder) validate() []string {
 	if n := utf8.RuneCountInString(strings.TrimSpace(o.Customer)); n < 1 || n > 200 {
 		problems = append(problems, "customer: must be 1 to 200 characters")
 	}
+	if hasControl(o.Customer) {
+		problems = append(problems, "customer: must not contain control characters")
+	}
 	if len(o.Items) < 1 || len(o.Items) > maxItems {
 		problems = append(problems, fmt.Sprintf("items: must hold 1 to %d items", maxItems))
 	}
 	for i, it := range o.Items {
 		if n := utf8.RuneCountInString(it.SKU); n < 1 || n > 64 {
 			problems = append(problems, fmt.Sprintf("items[%d].sku: must be 1 to 64 characters", i))
+		}
+		if hasControl(it.SKU) {
+			problems = append(problems, fmt.Sprintf("items[%d].sku: must not contain control characters", i))
 		}
 		if it.Qty < 1 || it.Qty > maxQty {
 			problems = append(problems, fmt.Sprintf("items[%d].qty: must be from 1 to %d", i, maxQty))
@@ -100,28 +111,34 @@ func (o newOrder) fingerprint() string {
 }
 
 // decodeOrder reads a JSON body strictly: the media type, the size limit,
-// unknown fields, trailing data and every field's rules.
+// the read deadline, valid UTF-8 (encoding/json would silently turn invalid
+// bytes into U+FFFD and store an altered order), unknown fields, trailing data
+// and every field's rules.
 func decodeOrder(c echo.Context) (newOrder, error) {
 	var o newOrder
 	if mt, _, err := mime.ParseMediaType(c.Request().Header.Get(echo.HeaderContentType)); err != nil || mt != echo.MIMEApplicationJSON {
 		return o, apiError(http.StatusUnsupportedMediaType, "unsupported_media_type", "send the order as application/json")
 	}
-	body := http.MaxBytesReader(c.Response(), c.Request().Body, maxOrderBody)
-	dec := json.NewDecoder(body)
-	dec.DisallowUnknownFields()
-	err := dec.Decode(&o)
-	if err == nil && dec.More() {
-		err = errors.New("unexpected data after the JSON object")
-	}
-	if err == nil {
-		_, err = io.Copy(io.Discard, body) // reach the size limit check on trailing whitespace too
-	}
+	raw, err := io.ReadAll(http.MaxBytesReader(c.Response(), c.Request().Body, maxOrderBody))
 	var tooBig *http.MaxBytesError
 	switch {
 	case errors.As(err, &tooBig):
 		return o, apiError(http.StatusRequestEntityTooLarge, "payload_too_large", fmt.Sprintf("the body must be at most %d bytes", maxOrderBody))
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return o, apiError(http.StatusRequestTimeout, "request_timeout", "the body did not arrive in time")
 	case err != nil:
-		return o, apiError(http.StatusBadRequest, "invalid_json", strings.TrimPrefix(err.Error(), "json: "))
+		return o, apiError(http.StatusBadRequest, "invalid_body", "the body could not be read")
+	case !utf8.Valid(raw):
+		return o, apiError(http.StatusBadRequest, "invalid_json", "the body is not valid UTF-8")
+	}
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	err = dec.Decode(&o)
+	if err == nil && dec.More() {
+		return o, apiError(http.StatusBadRequest, "invalid_json", "unexpected data after the JSON object")
+	}
+	if err != nil {
+		return o, apiError(http.StatusBadRequest, "invalid_json", jsonProblem(err))
 	}
 	if problems := o.validate(); len(problems) > 0 {
 		return o, apiError(http.StatusUnprocessableEntity, "validation_failed", strings.Join(problems, "; "))
@@ -162,9 +179,11 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, m *metrics, log *log
 			return err
 		}
 
-		// In flight right now?
+		// In flight right now? The marker holds this request's own token, so
+		// only this request can release it (see releaseMarker).
 		marker := "idempotency:" + key
-		acquired, err := rdb.SetNX(ctx, marker, "in-flight", idempotencyMarkerTTL).Result()
+		token := rand.Text()
+		acquired, err := rdb.SetNX(ctx, marker, token, idempotencyMarkerTTL).Result()
 		switch {
 		case err != nil:
 			// Without Redis the unique column still prevents a second order;
@@ -177,7 +196,13 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, m *metrics, log *log
 			m.ordersCreated.WithLabelValues("conflict").Inc()
 			return apiError(http.StatusConflict, "request_in_progress", "a request with this Idempotency-Key is still in progress; retry later")
 		default:
-			defer rdb.Del(context.WithoutCancel(ctx), marker)
+			defer func() {
+				rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), markerReleaseTimeout)
+				defer cancel()
+				if err := releaseMarker(rctx, rdb, marker, token); err != nil {
+					log.WithError(err).Warn("releasing the idempotency marker; it expires by itself")
+				}
+			}()
 		}
 
 		o, err := createOrder(ctx, db, req, key, hash)
@@ -193,6 +218,26 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, m *metrics, log *log
 		m.ordersCreated.WithLabelValues("created").Inc()
 		return c.JSON(http.StatusCreated, o)
 	}
+}
+
+// markerReleaseTimeout bounds the release: a Redis that does not answer must
+// not hold the response; the marker's TTL cleans up instead.
+const markerReleaseTimeout = time.Second
+
+// compareAndDelete deletes KEYS[1] only while it still holds ARGV[1]. A plain
+// DEL would let a first request that outlived its marker's TTL delete the
+// marker of a second request with the same key.
+var compareAndDelete = redis.NewScript(`if redis.call("GET", KEYS[1]) == ARGV[1] then
+	return redis.call("DEL", KEYS[1])
+end
+return 0`)
+
+// releaseMarker removes this request's idempotency marker, and only its own.
+func releaseMarker(ctx context.Context, rdb *redis.Client, marker, token string) error {
+	if err := compareAndDelete.Run(ctx, rdb, []string{marker}, token).Err(); err != nil {
+		return fmt.Errorf("releasing idempotency marker %s: %w", marker, err)
+	}
+	return nil
 }
 
 func replay(c echo.Context, m *metrics, o order) error {
@@ -332,6 +377,59 @@ func collectOrders(rows pgx.Rows, err error) ([]order, error) {
 		orders = append(orders, o)
 	}
 	return orders, rows.Err()
+}
+
+// jsonProblem says what is wrong with a body in the client's terms: the field
+// and the JSON type it needs, never a Go type name or a decoder internal.
+func jsonProblem(err error) string {
+	var typeErr *json.UnmarshalTypeError
+	var syntaxErr *json.SyntaxError
+	switch {
+	case errors.As(err, &typeErr):
+		field := typeErr.Field
+		if field == "" {
+			field = "the body"
+		}
+		return fmt.Sprintf("%s: expected %s, got %s", field, jsonKind(typeErr.Type), typeErr.Value)
+	case errors.As(err, &syntaxErr):
+		return fmt.Sprintf("malformed JSON at byte %d", syntaxErr.Offset)
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		return "the JSON object is empty or ends too early"
+	}
+	// The decoder's unknown-field error names only the client's own key.
+	if field, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
+		return "unknown field " + field
+	}
+	return "the body is not a valid order"
+}
+
+// jsonKind names the JSON type a Go type is decoded from.
+func jsonKind(t reflect.Type) string {
+	if t == nil {
+		return "another type"
+	}
+	switch t.Kind() {
+	case reflect.String:
+		return "a string"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "an integer"
+	case reflect.Float32, reflect.Float64:
+		return "a number"
+	case reflect.Bool:
+		return "true or false"
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	case reflect.Struct, reflect.Map:
+		return "an object"
+	}
+	return "another type"
+}
+
+// hasControl reports control characters (C0 incl. NUL, DEL, C1): they have no
+// place in a name or a SKU and break logs, terminals and some drivers.
+func hasControl(s string) bool {
+	return strings.IndexFunc(s, unicode.IsControl) >= 0
 }
 
 func isUniqueViolation(err error) bool {

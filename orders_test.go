@@ -92,6 +92,11 @@ func TestOrderBadInput(t *testing.T) {
 		{"oversized body", `{"customer":"` + strings.Repeat("x", 70<<10) + `","items":[]}`, "", nil, 413, "payload_too_large", ""},
 		{"not JSON", validOrder, "text/plain", nil, 415, "unsupported_media_type", ""},
 		{"bad idempotency key", validOrder, "", map[string]string{"Idempotency-Key": "schlüssel"}, 400, "invalid_idempotency_key", ""},
+		{"invalid UTF-8", `{"customer":"Ad` + "\xff" + `a","items":[{"sku":"tea","qty":1,"priceCents":1}]}`, "", nil, 400, "invalid_json", "UTF-8"},
+		{"NUL in customer", `{"customer":"Ad\u0000a","items":[{"sku":"tea","qty":1,"priceCents":1}]}`, "", nil, 422, "validation_failed", "customer"},
+		{"control character in sku", `{"customer":"Ada","items":[{"sku":"t\u0007ea","qty":1,"priceCents":1}]}`, "", nil, 422, "validation_failed", "items[0].sku"},
+		{"items as a string", `{"customer":"Ada","items":"tea"}`, "", nil, 400, "invalid_json", "items: expected an array"},
+		{"body as an array", `[1]`, "", nil, 400, "invalid_json", "expected an object"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			req, _ := http.NewRequest(http.MethodPost, api+"/api/orders", strings.NewReader(tc.body))
@@ -112,6 +117,12 @@ func TestOrderBadInput(t *testing.T) {
 			json.NewDecoder(resp.Body).Decode(&body)
 			if resp.StatusCode != tc.status || body.Error.Code != tc.code || !strings.Contains(body.Error.Message, tc.mentions) {
 				t.Errorf("got %d %+v, want %d %s mentioning %q", resp.StatusCode, body.Error, tc.status, tc.code, tc.mentions)
+			}
+			// Error bodies speak JSON, not Go: no type names, no decoder internals.
+			for _, leak := range []string{"main.", "Go ", "orderItem", "newOrder", "int64", "json:"} {
+				if strings.Contains(body.Error.Message, leak) {
+					t.Errorf("error message %q contains %q", body.Error.Message, leak)
+				}
 			}
 		})
 	}
@@ -198,6 +209,30 @@ func TestOrderIdempotencyWithoutRedis(t *testing.T) {
 	code, _, again := post(t, api+"/api/orders", validOrder, key)
 	if code != 201 || mustJSON(again) != mustJSON(first) {
 		t.Fatalf("retry without Redis: %d %v", code, again)
+	}
+}
+
+// The marker is released by compare-and-delete of the request's own token: a
+// first request whose marker expired and was taken by a second request must
+// not delete the second one's marker.
+func TestIdempotencyMarkerReleasedOnlyByItsOwner(t *testing.T) {
+	rdb := redisClient(t, testRedis(t).URL)
+	ctx := context.Background()
+	marker := "idempotency:release-test"
+	if err := rdb.Set(ctx, marker, "token-of-second", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := releaseMarker(ctx, rdb, marker, "token-of-first"); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := rdb.Get(ctx, marker).Result(); err != nil || v != "token-of-second" {
+		t.Fatalf("another request's release removed the marker: %q %v", v, err)
+	}
+	if err := releaseMarker(ctx, rdb, marker, "token-of-second"); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := rdb.Exists(ctx, marker).Result(); err != nil || n != 0 {
+		t.Fatalf("the owner's release left the marker: exists=%d %v", n, err)
 	}
 }
 
