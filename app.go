@@ -77,7 +77,7 @@ func (a *app) loadConfig(ctx context.Context, p *phaseRun) error {
 	}
 	a.cfg = cfg
 	setLogFormat(a.log, cfg.LogFormat)
-	a.log.AddHook(redactHook{secrets: cfg.secrets()})
+	a.log.AddHook(redactHook{secrets: append(cfg.secrets(), otlpSecrets(a.getenv)...)})
 	a.log.AddHook(instanceHook{id: cfg.InstanceID})
 	a.log.WithField("component", "config").WithFields(cfg.logFields()).Info("config")
 	return nil
