@@ -143,7 +143,7 @@ func defaultConfig() config {
 		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, Listen: true, MaxAttempts: 10,
 			RetryBase: time.Second, RetryMax: 5 * time.Minute},
 		HTTP: httpConfig{ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 15 * time.Second, IdleTimeout: 60 * time.Second,
-			RateLimit: 50, RateBurst: 100, SlowMax: 60 * time.Second, DemoEndpoints: true},
+			RateLimit: 500, RateBurst: 1000, SlowMax: 60 * time.Second, DemoEndpoints: true},
 		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second},
 		Jobs: jobsConfig{Workers: 10, PollInterval: time.Second, Timeout: time.Minute, RescueAfter: time.Hour,
 			ReportCron: "*/5 * * * *"},

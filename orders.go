@@ -20,6 +20,7 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -43,9 +44,12 @@ const (
 	idempotencyMarkerTTL = 5 * time.Minute
 )
 
-// order is an order as stored and as answered.
+// order is an order as stored and as answered. Clients only ever see the
+// opaque PublicID (as "id"); the sequential ID stays inside, for joins, jobs
+// and the outbox.
 type order struct {
-	ID         int64       `json:"id"`
+	ID         int64       `json:"-"`
+	PublicID   uuid.UUID   `json:"id"`
 	Customer   string      `json:"customer"`
 	Items      []orderItem `json:"items"`
 	TotalCents int64       `json:"totalCents"`
@@ -250,19 +254,35 @@ func replay(c echo.Context, m *metrics, o order) error {
 var errKeyReused = apiError(http.StatusUnprocessableEntity, "idempotency_key_reused",
 	"this Idempotency-Key was used for a different request")
 
+// orderCreated is the order.created payload. The event stream is public, so
+// it carries no personal data: no customer, no items; the whole order is at
+// GET /api/orders/{id}, the demo's order route.
+type orderCreated struct {
+	ID         uuid.UUID `json:"id"`
+	Status     string    `json:"status"`
+	TotalCents int64     `json:"totalCents"`
+	ItemCount  int       `json:"itemCount"`
+	CreatedAt  time.Time `json:"createdAt"`
+}
+
 // createOrder writes the order and its order.created event in one transaction.
 func createOrder(ctx context.Context, db *pgxpool.Pool, req newOrder, key, hash string) (order, error) {
-	o := order{Customer: req.Customer, Items: req.Items, TotalCents: req.total()}
+	publicID, err := uuid.NewV7() // time-ordered, so the unique index stays compact
+	if err != nil {
+		return order{}, fmt.Errorf("generating the order id: %w", err)
+	}
+	o := order{PublicID: publicID, Customer: req.Customer, Items: req.Items, TotalCents: req.total()}
 	items, _ := json.Marshal(req.Items)
-	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
-		err := tx.QueryRow(ctx, `INSERT INTO orders (customer, items, total_cents, idempotency_key, request_hash)
-			VALUES ($1, $2, $3, NULLIF($4, ''), NULLIF($5, '')) RETURNING id, created_at`,
-			o.Customer, items, o.TotalCents, key, hash).Scan(&o.ID, &o.CreatedAt)
+	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		err := tx.QueryRow(ctx, `INSERT INTO orders (public_id, customer, items, total_cents, idempotency_key, request_hash)
+			VALUES ($1, $2, $3, $4, NULLIF($5, ''), NULLIF($6, '')) RETURNING id, created_at`,
+			o.PublicID, o.Customer, items, o.TotalCents, key, hash).Scan(&o.ID, &o.CreatedAt)
 		if err != nil {
 			return err
 		}
 		o.CreatedAt = o.CreatedAt.UTC()
-		_, err = writeOutboxEvent(ctx, tx, "order", strconv.FormatInt(o.ID, 10), eventOrderCreated, o)
+		_, err = writeOutboxEvent(ctx, tx, "order", strconv.FormatInt(o.ID, 10), eventOrderCreated, orderCreated{
+			ID: o.PublicID, Status: "created", TotalCents: o.TotalCents, ItemCount: len(o.Items), CreatedAt: o.CreatedAt})
 		return err
 	})
 	if err != nil && !isUniqueViolation(err) {
@@ -275,7 +295,7 @@ func createOrder(ctx context.Context, db *pgxpool.Pool, req newOrder, key, hash 
 // fingerprint is errKeyReused.
 func orderByKey(ctx context.Context, db *pgxpool.Pool, key, hash string) (order, error) {
 	var storedHash string
-	o, err := scanOrder(db.QueryRow(ctx, `SELECT id, customer, items, total_cents, created_at, coalesce(request_hash, '')
+	o, err := scanOrder(db.QueryRow(ctx, `SELECT `+orderColumns+`, coalesce(request_hash, '')
 		FROM orders WHERE idempotency_key = $1`, key), &storedHash)
 	if err != nil {
 		return order{}, err
@@ -286,10 +306,13 @@ func orderByKey(ctx context.Context, db *pgxpool.Pool, key, hash string) (order,
 	return o, nil
 }
 
+// orderColumns are the columns scanOrder reads, in its order.
+const orderColumns = "id, public_id, customer, items, total_cents, created_at"
+
 func scanOrder(row pgx.Row, extra ...any) (order, error) {
 	var o order
 	var items []byte
-	if err := row.Scan(append([]any{&o.ID, &o.Customer, &items, &o.TotalCents, &o.CreatedAt}, extra...)...); err != nil {
+	if err := row.Scan(append([]any{&o.ID, &o.PublicID, &o.Customer, &items, &o.TotalCents, &o.CreatedAt}, extra...)...); err != nil {
 		return order{}, err
 	}
 	o.CreatedAt = o.CreatedAt.UTC()
@@ -299,19 +322,21 @@ func scanOrder(row pgx.Row, extra ...any) (order, error) {
 	return o, nil
 }
 
-// handleGetOrder is GET /api/orders/:id.
+// handleGetOrder is GET /api/orders/:id, by the order's opaque public id.
+// It answers the whole order to anyone who has the id: the demo has no
+// customer accounts, and the id cannot be guessed from another one.
 func handleGetOrder(db *pgxpool.Pool) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		id, err := strconv.ParseInt(c.Param("id"), 10, 64)
-		if err != nil || id < 1 {
-			return apiError(http.StatusBadRequest, "invalid_id", "the order id must be a positive integer")
+		id, err := uuid.Parse(c.Param("id"))
+		if err != nil {
+			return apiError(http.StatusBadRequest, "invalid_id", "the order id must be a UUID")
 		}
-		o, err := loadOrder(c.Request().Context(), db, id)
+		o, err := scanOrder(db.QueryRow(c.Request().Context(), `SELECT `+orderColumns+` FROM orders WHERE public_id = $1`, id))
 		if errors.Is(err, pgx.ErrNoRows) {
-			return apiError(http.StatusNotFound, "not_found", fmt.Sprintf("no order %d", id))
+			return apiError(http.StatusNotFound, "not_found", "no order "+id.String())
 		}
 		if err != nil {
-			return err
+			return fmt.Errorf("loading order %s: %w", id, err)
 		}
 		return c.JSON(http.StatusOK, o)
 	}
@@ -345,7 +370,7 @@ func handleListOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, log *
 			}
 			log.WithError(err).Warn("search unavailable, answering from SQL")
 		}
-		orders, err := collectOrders(db.Query(ctx, `SELECT id, customer, items, total_cents, created_at FROM orders
+		orders, err := collectOrders(db.Query(ctx, `SELECT `+orderColumns+` FROM orders
 			WHERE $1 = '' OR strpos(lower(customer), lower($1)) > 0
 			ORDER BY id DESC LIMIT 50`, q))
 		if err != nil {
@@ -356,11 +381,12 @@ func handleListOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, log *
 	}
 }
 
-// ordersByID loads orders in the order of ids (the search ranking); ids the
-// database does not know (an index lagging a deletion) are left out.
-func ordersByID(ctx context.Context, db *pgxpool.Pool, ids []int64) ([]order, error) {
-	return collectOrders(db.Query(ctx, `SELECT o.id, o.customer, o.items, o.total_cents, o.created_at
-		FROM unnest($1::bigint[]) WITH ORDINALITY AS s(id, rank) JOIN orders o ON o.id = s.id ORDER BY s.rank`, ids))
+// ordersByID loads orders by public id in the order of ids (the search
+// ranking); ids the database does not know (an index lagging a deletion) are
+// left out.
+func ordersByID(ctx context.Context, db *pgxpool.Pool, ids []uuid.UUID) ([]order, error) {
+	return collectOrders(db.Query(ctx, `SELECT o.id, o.public_id, o.customer, o.items, o.total_cents, o.created_at
+		FROM unnest($1::uuid[]) WITH ORDINALITY AS s(id, rank) JOIN orders o ON o.public_id = s.id ORDER BY s.rank`, ids))
 }
 
 func collectOrders(rows pgx.Rows, err error) ([]order, error) {
