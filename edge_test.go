@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 // /api/slow checks ms before multiplying and caps it at KUMIKO_SLOW_MAX.
@@ -120,5 +121,36 @@ func TestInstanceEndpointIsPublicSafeAndCached(t *testing.T) {
 		if !strings.Contains(body, want) {
 			t.Errorf("/api/instance lacks %s: %s", want, body)
 		}
+	}
+}
+
+// The limiter keeps at most size buckets (least recently seen IP evicted),
+// refuses past the burst with the wait until the next token, and a refused
+// request does not use up a future token.
+func TestIPRateLimiterIsBoundedAndPerIP(t *testing.T) {
+	l := newIPRateLimiter(1, 2, 3)
+	now := time.Now()
+	for i := range 10 {
+		l.reserve("10.0.0."+strconv.Itoa(i), now)
+	}
+	if n := l.buckets.Len(); n != 3 {
+		t.Fatalf("%d buckets for 10 IPs with a bound of 3", n)
+	}
+	ip := "192.0.2.1"
+	for i := range 2 {
+		if wait := l.reserve(ip, now); wait != 0 {
+			t.Fatalf("request %d within the burst waits %s", i+1, wait)
+		}
+	}
+	for range 5 {
+		if wait := l.reserve(ip, now); wait <= 0 || wait > time.Second {
+			t.Fatalf("past the burst: wait %s, want (0, 1s]", wait)
+		}
+	}
+	if wait := l.reserve(ip, now.Add(time.Second)); wait != 0 {
+		t.Fatalf("one second later (refusals must not have used tokens): wait %s", wait)
+	}
+	if wait := l.reserve("192.0.2.2", now); wait != 0 {
+		t.Fatalf("another IP waits %s", wait)
 	}
 }
