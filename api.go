@@ -1,6 +1,7 @@
 package main
 
 import (
+	"crypto/sha256"
 	"crypto/subtle"
 	"errors"
 	"fmt"
@@ -27,10 +28,11 @@ import (
 // addOpsRoutes serves probes, metrics and admin on the ops listener, which is
 // open from phase 2 until the very end of the drain. Redis and the jobs
 // client come later in the boot: the admin handlers read them when asked.
-func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, adminToken string,
+func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, hc httpConfig, adminToken string,
 	redisNow func() *redis.Client, jobsNow func() *jobs) {
+	e.Use(bodyReadDeadline(hc.ReadTimeout)) // nothing on this port streams
 	e.GET("/health", handleLive())
-	e.GET("/health/ready", handleReady(rd))
+	e.GET("/health/ready", handleReady(rd, true))
 	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{Registry: m.registry})))
 	if adminToken == "" {
 		return // no token configured: admin routes are off, not open
@@ -43,16 +45,28 @@ func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, adminT
 
 // addAPIRoutes serves the features on the API listener (bound in phase 15).
 // Requests are measured and counted in flight; streams are not, because the
-// drain ends them instead of waiting for them.
-func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature, m *metrics, inFlight *atomic.Int64, tracer trace.Tracer) {
+// drain ends them instead of waiting for them. Feature routes and the page are
+// rate-limited per client IP; the health routes are not (probes must always
+// get through). Readiness here tells status only: details are on the ops port.
+func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature, m *metrics, hc httpConfig,
+	inFlight *atomic.Int64, tracer trace.Tracer) {
+	var limit []echo.MiddlewareFunc
+	if hc.RateLimit > 0 {
+		limit = append(limit, rateLimit(newIPRateLimiter(hc.RateLimit, hc.RateBurst, maxRateLimitedIPs)))
+	}
 	e.GET("/health", handleLive())
-	e.GET("/health/ready", handleReady(rd))
-	e.GET("/", handleDashboard())
+	e.GET("/health/ready", handleReady(rd, false))
+	e.GET("/", handleDashboard(), limit...)
 	for _, f := range features {
 		for _, r := range f.routes {
 			chain := []echo.MiddlewareFunc{admitWhenServing(lc)}
 			if !r.streaming {
-				chain = append(chain, observeRequests(m), trackInFlight(inFlight, m), traceRequests(tracer))
+				// Measured first, so the 429s are counted too.
+				chain = append(chain, observeRequests(m))
+			}
+			chain = append(chain, limit...)
+			if !r.streaming {
+				chain = append(chain, bodyReadDeadline(hc.ReadTimeout), trackInFlight(inFlight, m), traceRequests(tracer))
 			}
 			e.Add(r.method, r.path, r.handler(), chain...)
 		}
@@ -76,14 +90,18 @@ type httpServer struct {
 // listenHTTP binds addr and serves h on it from one owned goroutine. A Serve
 // failure other than a normal close is reported to failed (the process then
 // shuts down: a server that cannot accept is not serving).
-func listenHTTP(name, addr string, h http.Handler, log *logrus.Logger, failed func(error)) (*httpServer, error) {
+func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Logger, failed func(error)) (*httpServer, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("binding the %s listener: %w", name, err)
 	}
 	s := &httpServer{
 		name: name,
-		srv: &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second,
+		// No server-wide ReadTimeout or WriteTimeout: they would cut the event
+		// streams. Bodies get a per-request deadline (bodyReadDeadline), stream
+		// writes their own write deadline.
+		srv: &http.Server{Handler: h, ReadHeaderTimeout: hc.ReadHeaderTimeout, IdleTimeout: hc.IdleTimeout,
+			MaxHeaderBytes: maxHeaderBytes,
 			// net/http's own complaints (bad handshakes, header timeouts) join the structured log.
 			ErrorLog: stdlog.New(warnWriter{log.WithField("component", name)}, "", 0)},
 		addr:   ln.Addr(),
@@ -202,12 +220,15 @@ func admitWhenServing(lc *Lifecycle) echo.MiddlewareFunc {
 	}
 }
 
+// requireBearer compares SHA-256 digests of the header and of the expected
+// value: both are always 32 bytes, so the comparison time does not tell the
+// token's length (ConstantTimeCompare returns at once on a length mismatch).
 func requireBearer(token string) echo.MiddlewareFunc {
-	want := []byte("Bearer " + token)
+	want := sha256.Sum256([]byte("Bearer " + token))
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
-			got := []byte(c.Request().Header.Get(echo.HeaderAuthorization))
-			if subtle.ConstantTimeCompare(got, want) != 1 {
+			got := sha256.Sum256([]byte(c.Request().Header.Get(echo.HeaderAuthorization)))
+			if subtle.ConstantTimeCompare(got[:], want[:]) != 1 {
 				return apiError(http.StatusUnauthorized, "unauthorized", "admin routes need Authorization: Bearer <KUMIKO_ADMIN_TOKEN>")
 			}
 			return next(c)
@@ -263,6 +284,10 @@ func codeFor(status int) string {
 		return "not_found"
 	case http.StatusMethodNotAllowed:
 		return "method_not_allowed"
+	case http.StatusRequestTimeout:
+		return "request_timeout"
+	case http.StatusTooManyRequests:
+		return "rate_limited"
 	case http.StatusRequestEntityTooLarge:
 		return "payload_too_large"
 	case http.StatusServiceUnavailable:
@@ -276,20 +301,21 @@ func codeFor(status int) string {
 // ---------------------------------------------------------------------------
 // Handlers
 
-// maxSlowRequest bounds /api/slow, so the demo endpoint cannot pin a
-// connection for longer than any sensible drain.
+// maxSlowRequest bounds the manual sleep job (POST /admin/jobs/sleep/run).
 const maxSlowRequest = 10 * time.Minute
 
-// handleSlow is GET /api/slow?ms=N: a request that takes N ms, to watch a drain.
+// handleSlow is GET /api/slow?ms=N: a request that takes N ms, to watch a
+// drain. N is checked in milliseconds before any multiplication, so a huge N
+// cannot overflow into an allowed duration; limit is KUMIKO_SLOW_MAX.
 func handleSlow(limit time.Duration) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		ms, err := strconv.Atoi(c.QueryParam("ms"))
-		if err != nil || ms < 0 || time.Duration(ms)*time.Millisecond > limit {
+		ms, err := strconv.ParseInt(c.QueryParam("ms"), 10, 64)
+		if err != nil || ms < 0 || ms > limit.Milliseconds() {
 			return apiError(http.StatusBadRequest, "invalid_ms", fmt.Sprintf("ms must be an integer from 0 to %d", limit.Milliseconds()))
 		}
 		select {
 		case <-time.After(time.Duration(ms) * time.Millisecond):
-			return c.JSON(http.StatusOK, map[string]int{"sleptMs": ms})
+			return c.JSON(http.StatusOK, map[string]int64{"sleptMs": ms})
 		case <-c.Request().Context().Done():
 			return nil // the client left, or the drain force-closed the connection
 		}

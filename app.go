@@ -77,7 +77,7 @@ func (a *app) loadConfig(ctx context.Context, p *phaseRun) error {
 	}
 	a.cfg = cfg
 	setLogFormat(a.log, cfg.LogFormat)
-	a.log.AddHook(redactHook{secrets: cfg.secrets()})
+	a.log.AddHook(redactHook{secrets: append(cfg.secrets(), otlpSecrets(a.getenv)...)})
 	a.log.AddHook(instanceHook{id: cfg.InstanceID})
 	a.log.WithField("component", "config").WithFields(cfg.logFields()).Info("config")
 	return nil
@@ -114,8 +114,8 @@ func (a *app) setupObservability(ctx context.Context, p *phaseRun) error {
 	})
 
 	e := newEcho(a.log, a.metrics, "ops")
-	addOpsRoutes(e, a.lc, a.health, a.metrics, a.cfg.AdminToken, a.redisNow.Load, a.jobsNow.Load)
-	ops, err := listenHTTP("ops", a.cfg.OpsAddr, e, a.log, a.serverFailed)
+	addOpsRoutes(e, a.lc, a.health, a.metrics, a.cfg.HTTP, a.cfg.AdminToken, a.redisNow.Load, a.jobsNow.Load)
+	ops, err := listenHTTP("ops", a.cfg.OpsAddr, e, a.cfg.HTTP, a.log, a.serverFailed)
 	if err != nil {
 		return err
 	}
@@ -147,8 +147,8 @@ func (a *app) listenAPI(ctx context.Context, p *phaseRun) error {
 	a.lc.RegisterShutdownHook("sseHub", hub.Stop)
 
 	e := newEcho(a.log, a.metrics, "api")
-	addAPIRoutes(e, a.lc, a.health, a.features, a.metrics, &a.inFlight, a.tracing.tracer)
-	api, err := listenHTTP("api", a.cfg.HTTPAddr, e, a.log, a.serverFailed)
+	addAPIRoutes(e, a.lc, a.health, a.features, a.metrics, a.cfg.HTTP, &a.inFlight, a.tracing.tracer)
+	api, err := listenHTTP("api", a.cfg.HTTPAddr, e, a.cfg.HTTP, a.log, a.serverFailed)
 	if err != nil {
 		return err
 	}

@@ -44,6 +44,7 @@ type config struct {
 	Outbox        outboxConfig
 	SSE           sseConfig
 	Jobs          jobsConfig
+	HTTP          httpConfig
 	Lifecycle     lifecycleConfig
 }
 
@@ -72,6 +73,18 @@ type sseConfig struct {
 	// this ends the stream, so a reader that stopped reading cannot pin a handler.
 	WriteTimeout    time.Duration
 	MaxStreamsPerIP uint // open streams per client address; beyond, 429; 0 turns the cap off
+}
+
+// httpConfig bounds what a client can hold on both listeners and how fast one
+// client IP may call the public API.
+type httpConfig struct {
+	ReadHeaderTimeout time.Duration // slowloris: the request headers must arrive within this
+	ReadTimeout       time.Duration // body read deadline of a non-streaming request
+	IdleTimeout       time.Duration // an idle keep-alive connection is closed after this
+	RateLimit         uint          // API requests per second per client IP; 0 turns the limit off
+	RateBurst         uint          // requests one client IP may send at once
+	SlowMax           time.Duration // cap on GET /api/slow?ms=
+	DemoEndpoints     bool          // serve /api/slow; off in production manifests
 }
 
 type searchConfig struct {
@@ -133,6 +146,8 @@ func defaultConfig() config {
 		Storage:   storageConfig{Bucket: "kumiko-demo"},
 		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, Listen: true, MaxAttempts: 10,
 			RetryBase: time.Second, RetryMax: 5 * time.Minute},
+		HTTP: httpConfig{ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 15 * time.Second, IdleTimeout: 60 * time.Second,
+			RateLimit: 500, RateBurst: 1000, SlowMax: 60 * time.Second, DemoEndpoints: true},
 		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second,
 			WriteTimeout: 10 * time.Second, MaxStreamsPerIP: 20},
 		Jobs: jobsConfig{Workers: 10, PollInterval: time.Second, Timeout: time.Minute, RescueAfter: time.Hour,
@@ -198,6 +213,13 @@ func (c *config) settings() []configSetting {
 		{"jobs.timeoutSec", "KUMIKO_JOBS_TIMEOUT", durationValue{p: &c.Jobs.Timeout}},
 		{"jobs.rescueAfterSec", "KUMIKO_JOBS_RESCUE_AFTER", durationValue{p: &c.Jobs.RescueAfter}},
 		{"jobs.reportCron", "KUMIKO_REPORT_CRON", textValue{p: &c.Jobs.ReportCron}},
+		{"http.readHeaderTimeoutSec", "KUMIKO_HTTP_READ_HEADER_TIMEOUT", durationValue{p: &c.HTTP.ReadHeaderTimeout}},
+		{"http.readTimeoutSec", "KUMIKO_HTTP_READ_TIMEOUT", durationValue{p: &c.HTTP.ReadTimeout}},
+		{"http.idleTimeoutSec", "KUMIKO_HTTP_IDLE_TIMEOUT", durationValue{p: &c.HTTP.IdleTimeout}},
+		{"http.rateLimit", "KUMIKO_API_RATE_LIMIT", uintValue{p: &c.HTTP.RateLimit}},
+		{"http.rateBurst", "KUMIKO_API_RATE_BURST", uintValue{p: &c.HTTP.RateBurst}},
+		{"http.slowMaxSec", "KUMIKO_SLOW_MAX", durationValue{p: &c.HTTP.SlowMax}},
+		{"http.demoEndpoints", "KUMIKO_DEMO_ENDPOINTS", boolValue{p: &c.HTTP.DemoEndpoints}},
 		{"sse.maxStreams", "KUMIKO_SSE_MAX_STREAMS", uintValue{p: &c.SSE.MaxStreams}},
 		{"sse.heartbeatSec", "KUMIKO_SSE_HEARTBEAT", durationValue{p: &c.SSE.Heartbeat}},
 		{"sse.retrySec", "KUMIKO_SSE_RETRY", durationValue{p: &c.SSE.RetryHint}},
@@ -312,6 +334,7 @@ func (c *config) validate() []error {
 	check(c.Outbox.BatchSize >= 1 && c.Outbox.BatchSize <= 10000, "outbox.batchSize (%d) must be from 1 to 10000", c.Outbox.BatchSize)
 	check(c.Outbox.MaxAttempts >= 1, "outbox.maxAttempts must be at least 1")
 	check(c.Outbox.RetryBase <= c.Outbox.RetryMax, "outbox.retryBaseSec (%s) must not exceed retryMaxSec (%s)", c.Outbox.RetryBase, c.Outbox.RetryMax)
+	check(c.HTTP.RateLimit == 0 || c.HTTP.RateBurst >= 1, "http.rateBurst must be at least 1 when http.rateLimit is set")
 	check(c.SSE.MaxStreams >= 1, "sse.maxStreams must be at least 1")
 	check(c.Jobs.Workers >= 1, "jobs.workers must be at least 1")
 	// River rescues a job still running after RescueAfter: a shorter value

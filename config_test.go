@@ -80,6 +80,8 @@ func TestLoadConfigDefaults(t *testing.T) {
 			WriteTimeout: 10 * time.Second, MaxStreamsPerIP: 20},
 		Jobs: jobsConfig{Workers: 10, PollInterval: time.Second, Timeout: time.Minute, RescueAfter: time.Hour,
 			ReportCron: "*/5 * * * *"},
+		HTTP: httpConfig{ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 15 * time.Second, IdleTimeout: time.Minute,
+			RateLimit: 500, RateBurst: 1000, SlowMax: time.Minute, DemoEndpoints: true},
 		Lifecycle: lifecycleConfig{
 			StartupTimeout:   120 * time.Second,
 			ShutdownTimeout:  40 * time.Second,

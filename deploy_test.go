@@ -157,6 +157,13 @@ func TestKubernetesManifests(t *testing.T) {
 	if itoa(int64(ports["ops"])) != opsPort || itoa(int64(ports["http"])) != httpPort {
 		t.Errorf("container ports %v do not match the app's %s and %s", ports, d.OpsAddr, d.HTTPAddr)
 	}
+	demoOff := false
+	for _, e := range c.Env {
+		demoOff = demoOff || (e.Name == "KUMIKO_DEMO_ENDPOINTS" && e.Value == "false")
+	}
+	if !demoOff {
+		t.Errorf("the Deployment must set KUMIKO_DEMO_ENDPOINTS=false: /api/slow is a demo route")
+	}
 	for name, probe := range map[string]*corev1.Probe{"readiness": c.ReadinessProbe, "startup": c.StartupProbe, "liveness": c.LivenessProbe} {
 		want := "/health/ready"
 		if name == "liveness" {

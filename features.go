@@ -45,7 +45,7 @@ type setting struct {
 
 // registerFeatures is phase 5: every feature of the process, in one list.
 func (a *app) registerFeatures() []feature {
-	return []feature{
+	return append([]feature{
 		{
 			name:      "lifecycle",
 			publishes: []string{eventStateChanged, eventInstanceStateChanged},
@@ -82,13 +82,21 @@ func (a *app) registerFeatures() []feature {
 				}},
 			},
 		},
-		{
-			name: "drainDemo",
-			routes: []route{
-				{method: http.MethodGet, path: "/api/slow", handler: func() echo.HandlerFunc { return handleSlow(maxSlowRequest) }},
-			},
-		},
+	}, a.demoFeatures()...)
+}
+
+// demoFeatures are the demo-only routes, off with KUMIKO_DEMO_ENDPOINTS=false
+// (then /api/slow is not registered and answers 404).
+func (a *app) demoFeatures() []feature {
+	if !a.cfg.HTTP.DemoEndpoints {
+		return nil
 	}
+	return []feature{{
+		name: "drainDemo",
+		routes: []route{
+			{method: http.MethodGet, path: "/api/slow", handler: func() echo.HandlerFunc { return handleSlow(a.cfg.HTTP.SlowMax) }},
+		},
+	}}
 }
 
 // orderSubscriptions are the jobs an order.created triggers: only those

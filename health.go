@@ -231,14 +231,31 @@ func handleLive() echo.HandlerFunc {
 	}
 }
 
-// handleReady is GET /health/ready: 200 only when ready and every gating check passes.
-func handleReady(rd *readiness) echo.HandlerFunc {
+// handleReady is GET /health/ready: 200 only when ready and every gating
+// check passes. detailed is the ops port's body (error text, latency,
+// provider, notes); the public API port gets status only: the state and each
+// check's ok, since error text names users, databases and addresses.
+func handleReady(rd *readiness, detailed bool) echo.HandlerFunc {
 	return func(c echo.Context) error {
 		rep, ok := rd.report(c.Request().Context())
 		c.Response().Header().Set("Cache-Control", "no-store")
-		if !ok {
-			return c.JSON(http.StatusServiceUnavailable, rep)
+		if !detailed {
+			rep = rep.statusOnly()
 		}
-		return c.JSON(http.StatusOK, rep)
+		status := http.StatusOK
+		if !ok {
+			status = http.StatusServiceUnavailable
+		}
+		return c.JSON(status, rep)
 	}
+}
+
+// statusOnly drops every check's details and keeps whether it is ok.
+func (r readinessReport) statusOnly() readinessReport {
+	checks := make(map[string]checkResult, len(r.Checks))
+	for name, res := range r.Checks {
+		checks[name] = checkResult{OK: res.OK}
+	}
+	r.Checks = checks
+	return r
 }

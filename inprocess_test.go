@@ -182,7 +182,7 @@ type meiliDouble struct {
 	srv *httptest.Server
 
 	mu    sync.Mutex
-	hits  []int64
+	hits  []string
 	calls []string
 }
 
@@ -204,9 +204,9 @@ func newMeiliDouble(t testing.TB, status string) *meiliDouble {
 			w.WriteHeader(http.StatusAccepted)
 			w.Write([]byte(task))
 		case r.Method == http.MethodPost && r.URL.Path == "/indexes/orders/search":
-			var out []map[string]int64
+			var out []map[string]string
 			for _, id := range hits {
-				out = append(out, map[string]int64{"id": id})
+				out = append(out, map[string]string{"id": id})
 			}
 			json.NewEncoder(w).Encode(map[string]any{"hits": out, "query": "", "processingTimeMs": 1})
 		default:
@@ -217,7 +217,7 @@ func newMeiliDouble(t testing.TB, status string) *meiliDouble {
 	return d
 }
 
-func (d *meiliDouble) setHits(ids ...int64) {
+func (d *meiliDouble) setHits(ids ...string) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.hits = ids
@@ -289,7 +289,10 @@ func TestJobsWriteToRealS3AndIndex(t *testing.T) {
 	env["KUMIKO_JOBS_POLL_INTERVAL"] = "100ms"
 	s := startInProcess(t, env)
 	_, _, created := post(t, apiURL(s)+"/api/orders", validOrder, nil)
-	id := int64(created["id"].(float64))
+	var id int64 // receipts are named by the internal id; the API shows only the public one
+	if err := s.app.db.QueryRow(context.Background(), `SELECT id FROM orders WHERE public_id = $1`, created["id"]).Scan(&id); err != nil {
+		t.Fatalf("order %v: %v", created["id"], err)
+	}
 
 	client, _ := minio.New(s3.Endpoint, &minio.Options{Creds: credentials.NewStaticV4(s3.AccessKey, s3.SecretKey, "")})
 	name := "receipts/" + itoa(id) + ".sealed"
@@ -308,7 +311,7 @@ func TestJobsWriteToRealS3AndIndex(t *testing.T) {
 		t.Fatalf("the receipt does not open with the master key: %v", err)
 	}
 	var receipt order
-	if err := json.Unmarshal(plain, &receipt); err != nil || receipt.ID != id || receipt.TotalCents != 900 {
+	if err := json.Unmarshal(plain, &receipt); err != nil || receipt.PublicID.String() != created["id"] || receipt.TotalCents != 900 {
 		t.Fatalf("receipt %s: %+v %v", plain, receipt, err)
 	}
 	if bytes.Contains(sealed, []byte("Ada")) {

@@ -290,7 +290,7 @@ func sleepJob(ctx context.Context, job *river.Job[sleepArgs]) error {
 }
 
 func loadOrder(ctx context.Context, db *pgxpool.Pool, id int64) (order, error) {
-	o, err := scanOrder(db.QueryRow(ctx, `SELECT id, customer, items, total_cents, created_at FROM orders WHERE id = $1`, id))
+	o, err := scanOrder(db.QueryRow(ctx, `SELECT `+orderColumns+` FROM orders WHERE id = $1`, id))
 	if err != nil {
 		return order{}, fmt.Errorf("loading order %d: %w", id, err)
 	}

@@ -36,7 +36,7 @@ func TestMigrationModes(t *testing.T) {
 
 	p := &phaseRun{name: "migrationsCheck"}
 	err := migrationApp(t, pool, migrationsExitOnPending, 0).checkMigrations(ctx, p)
-	if err == nil || !strings.Contains(err.Error(), "pending migrations [1 2 3 4 5 6 7 8 9 10 11 12]") || !strings.Contains(err.Error(), "migrate up") {
+	if err == nil || !strings.Contains(err.Error(), "pending migrations [1 2 3 4 5 6 7 8 9 10 11 12 13]") || !strings.Contains(err.Error(), "migrate up") {
 		t.Fatalf("exit-on-pending: %v", err)
 	}
 	p = &phaseRun{name: "migrationsCheck"}
@@ -101,8 +101,8 @@ func TestSchemaBaseline(t *testing.T) {
 	if err := mg.up(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := migrationApp(t, pool, migrationsAutoApply, 13).checkSchemaBaseline(ctx, p); err == nil || !strings.Contains(err.Error(), "older than baseline 13") {
-		t.Fatalf("version 12 under baseline 13: %v", err)
+	if err := migrationApp(t, pool, migrationsAutoApply, 14).checkSchemaBaseline(ctx, p); err == nil || !strings.Contains(err.Error(), "older than baseline 14") {
+		t.Fatalf("version 13 under baseline 14: %v", err)
 	}
 	if _, err := pool.Exec(ctx, "UPDATE schema_migrations SET dirty = true"); err != nil {
 		t.Fatal(err)
@@ -111,11 +111,11 @@ func TestSchemaBaseline(t *testing.T) {
 		t.Fatalf("dirty schema: %v", err)
 	}
 	// The repair the message names: record the real version, clear the flag.
-	if err := mg.force(12); err != nil {
+	if err := mg.force(13); err != nil {
 		t.Fatal(err)
 	}
-	if st, err := mg.status(); err != nil || st.Dirty || st.Version != 12 {
-		t.Fatalf("after migrate force 12: %+v %v", st, err)
+	if st, err := mg.status(); err != nil || st.Dirty || st.Version != 13 {
+		t.Fatalf("after migrate force 13: %+v %v", st, err)
 	}
 }
 
@@ -130,9 +130,9 @@ func TestMigrateCommand(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"status"}, "version 0 (dirty false), binary has 12, pending [1 2 3 4 5 6 7 8 9 10 11 12]"},
-		{[]string{"up"}, "version 12 (dirty false), binary has 12, pending []"},
-		{[]string{"down", "12"}, "version 0 (dirty false), binary has 12, pending [1 2 3 4 5 6 7 8 9 10 11 12]"},
+		{[]string{"status"}, "version 0 (dirty false), binary has 13, pending [1 2 3 4 5 6 7 8 9 10 11 12 13]"},
+		{[]string{"up"}, "version 13 (dirty false), binary has 13, pending []"},
+		{[]string{"down", "13"}, "version 0 (dirty false), binary has 13, pending [1 2 3 4 5 6 7 8 9 10 11 12 13]"},
 	} {
 		out.Reset()
 		if err := run(ctx, append([]string{serviceName, "migrate"}, step.args...), getenv, &out, io.Discard); err != nil {

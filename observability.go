@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/url"
+	"slices"
 	"strings"
 	"time"
 
@@ -251,9 +252,10 @@ func setupTracing(ctx context.Context, getenv func(string) string, instanceID, v
 	}
 	// The exporter connects lazily; an endpoint that is malformed or does not
 	// answer now would only fail silently at every flush. Say so at boot.
+	shown := redactURL(endpoint) // credentials in the URL never reach a log line or a body
 	u, err := url.Parse(endpoint)
 	if err != nil || u.Host == "" {
-		return noopTracing(), fmt.Errorf("OTLP endpoint %q is not a URL: using the noop provider", endpoint)
+		return noopTracing(), fmt.Errorf("OTLP endpoint %q is not a URL: using the noop provider", shown)
 	}
 	host := u.Host
 	if u.Port() == "" {
@@ -261,12 +263,12 @@ func setupTracing(ctx context.Context, getenv func(string) string, instanceID, v
 	}
 	conn, err := (&net.Dialer{Timeout: 500 * time.Millisecond}).DialContext(ctx, "tcp", host)
 	if err != nil {
-		return noopTracing(), fmt.Errorf("OTLP endpoint %s does not answer (%w): using the noop provider", endpoint, err)
+		return noopTracing(), fmt.Errorf("OTLP endpoint %s does not answer (%w): using the noop provider", shown, err)
 	}
 	conn.Close()
 	exporter, err := otlptracehttp.New(ctx, otlptracehttp.WithEndpointURL(endpoint))
 	if err != nil {
-		return noopTracing(), fmt.Errorf("creating the OTLP/HTTP exporter for %s: %w", endpoint, err)
+		return noopTracing(), fmt.Errorf("creating the OTLP/HTTP exporter for %s: %w", shown, err)
 	}
 	res, err := resource.Merge(resource.Default(), resource.NewWithAttributes(semconv.SchemaURL,
 		semconv.ServiceName(serviceName), semconv.ServiceVersion(version), semconv.ServiceInstanceID(instanceID)))
@@ -275,4 +277,60 @@ func setupTracing(ctx context.Context, getenv func(string) string, instanceID, v
 	}
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exporter), sdktrace.WithResource(res))
 	return tracing{provider: "otlp", tracer: tp.Tracer("kumiko"), shutdown: tp.Shutdown}, nil
+}
+
+// redactURL shows an endpoint without its credentials: the userinfo and the
+// query (where tokens also travel) are replaced by a mark. What is not a URL
+// is shown as the mark alone.
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return redactedMark
+	}
+	if u.User != nil {
+		u.User = url.User("REDACTED")
+	}
+	if u.RawQuery != "" {
+		u.RawQuery = "REDACTED"
+	}
+	return u.String()
+}
+
+// otlpSecrets are the secret parts of the OTLP settings, which the exporter
+// reads from the environment itself: the userinfo and query of the endpoints
+// and every header value (OTEL_EXPORTER_OTLP_HEADERS is "key=value,..." and
+// commonly carries an API key). The log's redact hook scrubs them.
+func otlpSecrets(getenv func(string) string) []string {
+	var secrets []string
+	for _, name := range []string{"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"} {
+		u, err := url.Parse(getenv(name))
+		if err != nil {
+			continue
+		}
+		if u.User != nil {
+			secrets = append(secrets, u.User.String())
+			if p, ok := u.User.Password(); ok {
+				secrets = append(secrets, p)
+			} else {
+				secrets = append(secrets, u.User.Username()) // a user alone is a token
+			}
+		}
+		if u.RawQuery != "" {
+			secrets = append(secrets, u.RawQuery)
+		}
+	}
+	for _, name := range []string{"OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"} {
+		for pair := range strings.SplitSeq(getenv(name), ",") {
+			_, v, ok := strings.Cut(pair, "=")
+			if v = strings.TrimSpace(v); ok && v != "" {
+				secrets = append(secrets, v)
+				if dec, err := url.QueryUnescape(v); err == nil && dec != v {
+					secrets = append(secrets, dec)
+				}
+			}
+		}
+	}
+	// Longest first: a secret that contains another is scrubbed whole.
+	slices.SortFunc(secrets, func(a, b string) int { return len(b) - len(a) })
+	return secrets
 }

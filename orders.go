@@ -1,7 +1,9 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -10,11 +12,15 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"os"
+	"reflect"
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 	"unicode/utf8"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -38,9 +44,12 @@ const (
 	idempotencyMarkerTTL = 5 * time.Minute
 )
 
-// order is an order as stored and as answered.
+// order is an order as stored and as answered. Clients only ever see the
+// opaque PublicID (as "id"); the sequential ID stays inside, for joins, jobs
+// and the outbox.
 type order struct {
-	ID         int64       `json:"id"`
+	ID         int64       `json:"-"`
+	PublicID   uuid.UUID   `json:"id"`
 	Customer   string      `json:"customer"`
 	Items      []orderItem `json:"items"`
 	TotalCents int64       `json:"totalCents"`
@@ -65,12 +74,18 @@ func (o newOrder) validate() []string {
 	if n := utf8.RuneCountInString(strings.TrimSpace(o.Customer)); n < 1 || n > 200 {
 		problems = append(problems, "customer: must be 1 to 200 characters")
 	}
+	if hasControl(o.Customer) {
+		problems = append(problems, "customer: must not contain control characters")
+	}
 	if len(o.Items) < 1 || len(o.Items) > maxItems {
 		problems = append(problems, fmt.Sprintf("items: must hold 1 to %d items", maxItems))
 	}
 	for i, it := range o.Items {
 		if n := utf8.RuneCountInString(it.SKU); n < 1 || n > 64 {
 			problems = append(problems, fmt.Sprintf("items[%d].sku: must be 1 to 64 characters", i))
+		}
+		if hasControl(it.SKU) {
+			problems = append(problems, fmt.Sprintf("items[%d].sku: must not contain control characters", i))
 		}
 		if it.Qty < 1 || it.Qty > maxQty {
 			problems = append(problems, fmt.Sprintf("items[%d].qty: must be from 1 to %d", i, maxQty))
@@ -100,28 +115,34 @@ func (o newOrder) fingerprint() string {
 }
 
 // decodeOrder reads a JSON body strictly: the media type, the size limit,
-// unknown fields, trailing data and every field's rules.
+// the read deadline, valid UTF-8 (encoding/json would silently turn invalid
+// bytes into U+FFFD and store an altered order), unknown fields, trailing data
+// and every field's rules.
 func decodeOrder(c echo.Context) (newOrder, error) {
 	var o newOrder
 	if mt, _, err := mime.ParseMediaType(c.Request().Header.Get(echo.HeaderContentType)); err != nil || mt != echo.MIMEApplicationJSON {
 		return o, apiError(http.StatusUnsupportedMediaType, "unsupported_media_type", "send the order as application/json")
 	}
-	body := http.MaxBytesReader(c.Response(), c.Request().Body, maxOrderBody)
-	dec := json.NewDecoder(body)
-	dec.DisallowUnknownFields()
-	err := dec.Decode(&o)
-	if err == nil && dec.More() {
-		err = errors.New("unexpected data after the JSON object")
-	}
-	if err == nil {
-		_, err = io.Copy(io.Discard, body) // reach the size limit check on trailing whitespace too
-	}
+	raw, err := io.ReadAll(http.MaxBytesReader(c.Response(), c.Request().Body, maxOrderBody))
 	var tooBig *http.MaxBytesError
 	switch {
 	case errors.As(err, &tooBig):
 		return o, apiError(http.StatusRequestEntityTooLarge, "payload_too_large", fmt.Sprintf("the body must be at most %d bytes", maxOrderBody))
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return o, apiError(http.StatusRequestTimeout, "request_timeout", "the body did not arrive in time")
 	case err != nil:
-		return o, apiError(http.StatusBadRequest, "invalid_json", strings.TrimPrefix(err.Error(), "json: "))
+		return o, apiError(http.StatusBadRequest, "invalid_body", "the body could not be read")
+	case !utf8.Valid(raw):
+		return o, apiError(http.StatusBadRequest, "invalid_json", "the body is not valid UTF-8")
+	}
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	err = dec.Decode(&o)
+	if err == nil && dec.More() {
+		return o, apiError(http.StatusBadRequest, "invalid_json", "unexpected data after the JSON object")
+	}
+	if err != nil {
+		return o, apiError(http.StatusBadRequest, "invalid_json", jsonProblem(err))
 	}
 	if problems := o.validate(); len(problems) > 0 {
 		return o, apiError(http.StatusUnprocessableEntity, "validation_failed", strings.Join(problems, "; "))
@@ -162,9 +183,11 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, m *metrics, log *log
 			return err
 		}
 
-		// In flight right now?
+		// In flight right now? The marker holds this request's own token, so
+		// only this request can release it (see releaseMarker).
 		marker := "idempotency:" + key
-		acquired, err := rdb.SetNX(ctx, marker, "in-flight", idempotencyMarkerTTL).Result()
+		token := rand.Text()
+		acquired, err := rdb.SetNX(ctx, marker, token, idempotencyMarkerTTL).Result()
 		switch {
 		case err != nil:
 			// Without Redis the unique column still prevents a second order;
@@ -177,7 +200,13 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, m *metrics, log *log
 			m.ordersCreated.WithLabelValues("conflict").Inc()
 			return apiError(http.StatusConflict, "request_in_progress", "a request with this Idempotency-Key is still in progress; retry later")
 		default:
-			defer rdb.Del(context.WithoutCancel(ctx), marker)
+			defer func() {
+				rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), markerReleaseTimeout)
+				defer cancel()
+				if err := releaseMarker(rctx, rdb, marker, token); err != nil {
+					log.WithError(err).Warn("releasing the idempotency marker; it expires by itself")
+				}
+			}()
 		}
 
 		o, err := createOrder(ctx, db, req, key, hash)
@@ -195,6 +224,26 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, m *metrics, log *log
 	}
 }
 
+// markerReleaseTimeout bounds the release: a Redis that does not answer must
+// not hold the response; the marker's TTL cleans up instead.
+const markerReleaseTimeout = time.Second
+
+// compareAndDelete deletes KEYS[1] only while it still holds ARGV[1]. A plain
+// DEL would let a first request that outlived its marker's TTL delete the
+// marker of a second request with the same key.
+var compareAndDelete = redis.NewScript(`if redis.call("GET", KEYS[1]) == ARGV[1] then
+	return redis.call("DEL", KEYS[1])
+end
+return 0`)
+
+// releaseMarker removes this request's idempotency marker, and only its own.
+func releaseMarker(ctx context.Context, rdb *redis.Client, marker, token string) error {
+	if err := compareAndDelete.Run(ctx, rdb, []string{marker}, token).Err(); err != nil {
+		return fmt.Errorf("releasing idempotency marker %s: %w", marker, err)
+	}
+	return nil
+}
+
 func replay(c echo.Context, m *metrics, o order) error {
 	m.ordersCreated.WithLabelValues("replayed").Inc()
 	c.Response().Header().Set("Idempotent-Replayed", "true")
@@ -205,19 +254,35 @@ func replay(c echo.Context, m *metrics, o order) error {
 var errKeyReused = apiError(http.StatusUnprocessableEntity, "idempotency_key_reused",
 	"this Idempotency-Key was used for a different request")
 
+// orderCreated is the order.created payload. The event stream is public, so
+// it carries no personal data: no customer, no items; the whole order is at
+// GET /api/orders/{id}, the demo's order route.
+type orderCreated struct {
+	ID         uuid.UUID `json:"id"`
+	Status     string    `json:"status"`
+	TotalCents int64     `json:"totalCents"`
+	ItemCount  int       `json:"itemCount"`
+	CreatedAt  time.Time `json:"createdAt"`
+}
+
 // createOrder writes the order and its order.created event in one transaction.
 func createOrder(ctx context.Context, db *pgxpool.Pool, req newOrder, key, hash string) (order, error) {
-	o := order{Customer: req.Customer, Items: req.Items, TotalCents: req.total()}
+	publicID, err := uuid.NewV7() // time-ordered, so the unique index stays compact
+	if err != nil {
+		return order{}, fmt.Errorf("generating the order id: %w", err)
+	}
+	o := order{PublicID: publicID, Customer: req.Customer, Items: req.Items, TotalCents: req.total()}
 	items, _ := json.Marshal(req.Items)
-	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
-		err := tx.QueryRow(ctx, `INSERT INTO orders (customer, items, total_cents, idempotency_key, request_hash)
-			VALUES ($1, $2, $3, NULLIF($4, ''), NULLIF($5, '')) RETURNING id, created_at`,
-			o.Customer, items, o.TotalCents, key, hash).Scan(&o.ID, &o.CreatedAt)
+	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		err := tx.QueryRow(ctx, `INSERT INTO orders (public_id, customer, items, total_cents, idempotency_key, request_hash)
+			VALUES ($1, $2, $3, $4, NULLIF($5, ''), NULLIF($6, '')) RETURNING id, created_at`,
+			o.PublicID, o.Customer, items, o.TotalCents, key, hash).Scan(&o.ID, &o.CreatedAt)
 		if err != nil {
 			return err
 		}
 		o.CreatedAt = o.CreatedAt.UTC()
-		_, err = writeOutboxEvent(ctx, tx, "order", strconv.FormatInt(o.ID, 10), eventOrderCreated, o)
+		_, err = writeOutboxEvent(ctx, tx, "order", strconv.FormatInt(o.ID, 10), eventOrderCreated, orderCreated{
+			ID: o.PublicID, Status: "created", TotalCents: o.TotalCents, ItemCount: len(o.Items), CreatedAt: o.CreatedAt})
 		return err
 	})
 	if err != nil && !isUniqueViolation(err) {
@@ -230,7 +295,7 @@ func createOrder(ctx context.Context, db *pgxpool.Pool, req newOrder, key, hash 
 // fingerprint is errKeyReused.
 func orderByKey(ctx context.Context, db *pgxpool.Pool, key, hash string) (order, error) {
 	var storedHash string
-	o, err := scanOrder(db.QueryRow(ctx, `SELECT id, customer, items, total_cents, created_at, coalesce(request_hash, '')
+	o, err := scanOrder(db.QueryRow(ctx, `SELECT `+orderColumns+`, coalesce(request_hash, '')
 		FROM orders WHERE idempotency_key = $1`, key), &storedHash)
 	if err != nil {
 		return order{}, err
@@ -241,10 +306,13 @@ func orderByKey(ctx context.Context, db *pgxpool.Pool, key, hash string) (order,
 	return o, nil
 }
 
+// orderColumns are the columns scanOrder reads, in its order.
+const orderColumns = "id, public_id, customer, items, total_cents, created_at"
+
 func scanOrder(row pgx.Row, extra ...any) (order, error) {
 	var o order
 	var items []byte
-	if err := row.Scan(append([]any{&o.ID, &o.Customer, &items, &o.TotalCents, &o.CreatedAt}, extra...)...); err != nil {
+	if err := row.Scan(append([]any{&o.ID, &o.PublicID, &o.Customer, &items, &o.TotalCents, &o.CreatedAt}, extra...)...); err != nil {
 		return order{}, err
 	}
 	o.CreatedAt = o.CreatedAt.UTC()
@@ -254,19 +322,21 @@ func scanOrder(row pgx.Row, extra ...any) (order, error) {
 	return o, nil
 }
 
-// handleGetOrder is GET /api/orders/:id.
+// handleGetOrder is GET /api/orders/:id, by the order's opaque public id.
+// It answers the whole order to anyone who has the id: the demo has no
+// customer accounts, and the id cannot be guessed from another one.
 func handleGetOrder(db *pgxpool.Pool) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		id, err := strconv.ParseInt(c.Param("id"), 10, 64)
-		if err != nil || id < 1 {
-			return apiError(http.StatusBadRequest, "invalid_id", "the order id must be a positive integer")
+		id, err := uuid.Parse(c.Param("id"))
+		if err != nil {
+			return apiError(http.StatusBadRequest, "invalid_id", "the order id must be a UUID")
 		}
-		o, err := loadOrder(c.Request().Context(), db, id)
+		o, err := scanOrder(db.QueryRow(c.Request().Context(), `SELECT `+orderColumns+` FROM orders WHERE public_id = $1`, id))
 		if errors.Is(err, pgx.ErrNoRows) {
-			return apiError(http.StatusNotFound, "not_found", fmt.Sprintf("no order %d", id))
+			return apiError(http.StatusNotFound, "not_found", "no order "+id.String())
 		}
 		if err != nil {
-			return err
+			return fmt.Errorf("loading order %s: %w", id, err)
 		}
 		return c.JSON(http.StatusOK, o)
 	}
@@ -300,7 +370,7 @@ func handleListOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, log *
 			}
 			log.WithError(err).Warn("search unavailable, answering from SQL")
 		}
-		orders, err := collectOrders(db.Query(ctx, `SELECT id, customer, items, total_cents, created_at FROM orders
+		orders, err := collectOrders(db.Query(ctx, `SELECT `+orderColumns+` FROM orders
 			WHERE $1 = '' OR strpos(lower(customer), lower($1)) > 0
 			ORDER BY id DESC LIMIT 50`, q))
 		if err != nil {
@@ -311,11 +381,12 @@ func handleListOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, log *
 	}
 }
 
-// ordersByID loads orders in the order of ids (the search ranking); ids the
-// database does not know (an index lagging a deletion) are left out.
-func ordersByID(ctx context.Context, db *pgxpool.Pool, ids []int64) ([]order, error) {
-	return collectOrders(db.Query(ctx, `SELECT o.id, o.customer, o.items, o.total_cents, o.created_at
-		FROM unnest($1::bigint[]) WITH ORDINALITY AS s(id, rank) JOIN orders o ON o.id = s.id ORDER BY s.rank`, ids))
+// ordersByID loads orders by public id in the order of ids (the search
+// ranking); ids the database does not know (an index lagging a deletion) are
+// left out.
+func ordersByID(ctx context.Context, db *pgxpool.Pool, ids []uuid.UUID) ([]order, error) {
+	return collectOrders(db.Query(ctx, `SELECT o.id, o.public_id, o.customer, o.items, o.total_cents, o.created_at
+		FROM unnest($1::uuid[]) WITH ORDINALITY AS s(id, rank) JOIN orders o ON o.public_id = s.id ORDER BY s.rank`, ids))
 }
 
 func collectOrders(rows pgx.Rows, err error) ([]order, error) {
@@ -332,6 +403,59 @@ func collectOrders(rows pgx.Rows, err error) ([]order, error) {
 		orders = append(orders, o)
 	}
 	return orders, rows.Err()
+}
+
+// jsonProblem says what is wrong with a body in the client's terms: the field
+// and the JSON type it needs, never a Go type name or a decoder internal.
+func jsonProblem(err error) string {
+	var typeErr *json.UnmarshalTypeError
+	var syntaxErr *json.SyntaxError
+	switch {
+	case errors.As(err, &typeErr):
+		field := typeErr.Field
+		if field == "" {
+			field = "the body"
+		}
+		return fmt.Sprintf("%s: expected %s, got %s", field, jsonKind(typeErr.Type), typeErr.Value)
+	case errors.As(err, &syntaxErr):
+		return fmt.Sprintf("malformed JSON at byte %d", syntaxErr.Offset)
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		return "the JSON object is empty or ends too early"
+	}
+	// The decoder's unknown-field error names only the client's own key.
+	if field, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
+		return "unknown field " + field
+	}
+	return "the body is not a valid order"
+}
+
+// jsonKind names the JSON type a Go type is decoded from.
+func jsonKind(t reflect.Type) string {
+	if t == nil {
+		return "another type"
+	}
+	switch t.Kind() {
+	case reflect.String:
+		return "a string"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "an integer"
+	case reflect.Float32, reflect.Float64:
+		return "a number"
+	case reflect.Bool:
+		return "true or false"
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	case reflect.Struct, reflect.Map:
+		return "an object"
+	}
+	return "another type"
+}
+
+// hasControl reports control characters (C0 incl. NUL, DEL, C1): they have no
+// place in a name or a SKU and break logs, terminals and some drivers.
+func hasControl(s string) bool {
+	return strings.IndexFunc(s, unicode.IsControl) >= 0
 }
 
 func isUniqueViolation(err error) bool {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strconv"
@@ -11,6 +12,9 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -53,9 +57,9 @@ func TestOrderCreateGetAndList(t *testing.T) {
 	if code != 201 || created["totalCents"] != 900.0 || created["id"] == nil {
 		t.Fatalf("POST = %d %v", code, created)
 	}
-	id := int64(created["id"].(float64))
+	id, _ := created["id"].(string)
 
-	code, _, got, _ := get(t, http.DefaultClient, api+"/api/orders/"+itoa(id))
+	code, _, got, _ := get(t, http.DefaultClient, api+"/api/orders/"+id)
 	if code != 200 || got["customer"] != "Ada" || len(got["items"].([]any)) != 2 {
 		t.Fatalf("GET = %d %v", code, got)
 	}
@@ -67,8 +71,10 @@ func TestOrderCreateGetAndList(t *testing.T) {
 	// The order and its event were written together.
 	var eventType, aggregate string
 	err := s.app.db.QueryRow(context.Background(), `SELECT event_type, aggregate_id FROM outbox_events WHERE aggregate_type = 'order'`).Scan(&eventType, &aggregate)
-	if err != nil || eventType != "order.created" || aggregate != itoa(id) {
-		t.Fatalf("outbox row: %v %s %s", err, eventType, aggregate)
+	var internalID string
+	s.app.db.QueryRow(context.Background(), `SELECT id::text FROM orders WHERE public_id = $1`, id).Scan(&internalID)
+	if err != nil || eventType != "order.created" || aggregate != internalID {
+		t.Fatalf("outbox row: %v %s %s (order %s)", err, eventType, aggregate, internalID)
 	}
 }
 
@@ -92,6 +98,11 @@ func TestOrderBadInput(t *testing.T) {
 		{"oversized body", `{"customer":"` + strings.Repeat("x", 70<<10) + `","items":[]}`, "", nil, 413, "payload_too_large", ""},
 		{"not JSON", validOrder, "text/plain", nil, 415, "unsupported_media_type", ""},
 		{"bad idempotency key", validOrder, "", map[string]string{"Idempotency-Key": "schlüssel"}, 400, "invalid_idempotency_key", ""},
+		{"invalid UTF-8", `{"customer":"Ad` + "\xff" + `a","items":[{"sku":"tea","qty":1,"priceCents":1}]}`, "", nil, 400, "invalid_json", "UTF-8"},
+		{"NUL in customer", `{"customer":"Ad\u0000a","items":[{"sku":"tea","qty":1,"priceCents":1}]}`, "", nil, 422, "validation_failed", "customer"},
+		{"control character in sku", `{"customer":"Ada","items":[{"sku":"t\u0007ea","qty":1,"priceCents":1}]}`, "", nil, 422, "validation_failed", "items[0].sku"},
+		{"items as a string", `{"customer":"Ada","items":"tea"}`, "", nil, 400, "invalid_json", "items: expected an array"},
+		{"body as an array", `[1]`, "", nil, 400, "invalid_json", "expected an object"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			req, _ := http.NewRequest(http.MethodPost, api+"/api/orders", strings.NewReader(tc.body))
@@ -113,9 +124,15 @@ func TestOrderBadInput(t *testing.T) {
 			if resp.StatusCode != tc.status || body.Error.Code != tc.code || !strings.Contains(body.Error.Message, tc.mentions) {
 				t.Errorf("got %d %+v, want %d %s mentioning %q", resp.StatusCode, body.Error, tc.status, tc.code, tc.mentions)
 			}
+			// Error bodies speak JSON, not Go: no type names, no decoder internals.
+			for _, leak := range []string{"main.", "Go ", "orderItem", "newOrder", "int64", "json:"} {
+				if strings.Contains(body.Error.Message, leak) {
+					t.Errorf("error message %q contains %q", body.Error.Message, leak)
+				}
+			}
 		})
 	}
-	for path, want := range map[string]int{"/api/orders/999": 404, "/api/orders/abc": 400, "/api/orders?q=" + strings.Repeat("x", 201): 400} {
+	for path, want := range map[string]int{"/api/orders/" + uuid.NewString(): 404, "/api/orders/999": 400, "/api/orders/abc": 400, "/api/orders?q=" + strings.Repeat("x", 201): 400} {
 		if code, _, body, _ := get(t, http.DefaultClient, api+path); code != want || body["error"] == nil {
 			t.Errorf("GET %s = %d %v, want %d with an error body", path, code, body, want)
 		}
@@ -201,6 +218,30 @@ func TestOrderIdempotencyWithoutRedis(t *testing.T) {
 	}
 }
 
+// The marker is released by compare-and-delete of the request's own token: a
+// first request whose marker expired and was taken by a second request must
+// not delete the second one's marker.
+func TestIdempotencyMarkerReleasedOnlyByItsOwner(t *testing.T) {
+	rdb := redisClient(t, testRedis(t).URL)
+	ctx := context.Background()
+	marker := "idempotency:release-test"
+	if err := rdb.Set(ctx, marker, "token-of-second", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := releaseMarker(ctx, rdb, marker, "token-of-first"); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := rdb.Get(ctx, marker).Result(); err != nil || v != "token-of-second" {
+		t.Fatalf("another request's release removed the marker: %q %v", v, err)
+	}
+	if err := releaseMarker(ctx, rdb, marker, "token-of-second"); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := rdb.Exists(ctx, marker).Result(); err != nil || n != 0 {
+		t.Fatalf("the owner's release left the marker: exists=%d %v", n, err)
+	}
+}
+
 func mustJSON(v any) string {
 	var b bytes.Buffer
 	json.NewEncoder(&b).Encode(v)
@@ -218,9 +259,9 @@ func TestOrderSearchUsesMeilisearchThenFallsBackToSQL(t *testing.T) {
 	api := apiURL(s)
 	_, _, ada := post(t, api+"/api/orders", validOrder, nil)
 	_, _, bob := post(t, api+"/api/orders", `{"customer":"Bob","items":[{"sku":"tea","qty":1,"priceCents":1}]}`, nil)
-	bobID := int64(bob["id"].(float64))
+	bobID, _ := bob["id"].(string)
 
-	meili.setHits(bobID, 999) // ranked by the index; 999 is not (or no longer) in the database
+	meili.setHits(bobID, uuid.NewString()) // ranked by the index; the second is not (or no longer) in the database
 	code, hdr, body, _ := get(t, http.DefaultClient, api+"/api/orders?q=tea")
 	orders, _ := body["orders"].([]any)
 	if code != 200 || hdr.Get("X-Search-Source") != "meilisearch" || len(orders) != 1 || orders[0].(map[string]any)["id"] != bob["id"] {
@@ -232,5 +273,77 @@ func TestOrderSearchUsesMeilisearchThenFallsBackToSQL(t *testing.T) {
 	orders, _ = body["orders"].([]any)
 	if code != 200 || hdr.Get("X-Search-Source") != "sql" || len(orders) != 1 || orders[0].(map[string]any)["id"] != ada["id"] {
 		t.Fatalf("search with Meilisearch down: %d %s %v", code, hdr.Get("X-Search-Source"), body)
+	}
+}
+
+// Orders are known by an opaque public id. A row written before migration 13
+// is backfilled and stays readable; new ids are UUIDv7, not a counter; the
+// public order.created event carries no customer and no items.
+func TestOrderOpaqueIDsAndOldRows(t *testing.T) {
+	env := fastEnv(t)
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, env["DATABASE_URL"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	mg, err := newMigrator(pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := mg.up(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := mg.down(ctx, 1); err != nil { // back to the schema before public ids
+		t.Fatal(err)
+	}
+	mg.Close()
+	if _, err := pool.Exec(ctx, `INSERT INTO orders (customer, items, total_cents) VALUES ('Old Ada', '[{"sku":"tea","qty":1,"priceCents":5}]', 5)`); err != nil {
+		t.Fatal(err)
+	}
+
+	s := startInProcess(t, env) // auto-applies migration 13
+	api := apiURL(s)
+	code, _, list, _ := get(t, http.DefaultClient, api+"/api/orders?q=old")
+	orders, _ := list["orders"].([]any)
+	if code != 200 || len(orders) != 1 {
+		t.Fatalf("the old order after the migration: %d %v", code, list)
+	}
+	oldID, _ := orders[0].(map[string]any)["id"].(string)
+	if _, err := uuid.Parse(oldID); err != nil {
+		t.Fatalf("the old order's id %q is not a UUID", oldID)
+	}
+	if code, _, got, _ := get(t, http.DefaultClient, api+"/api/orders/"+oldID); code != 200 || got["customer"] != "Old Ada" {
+		t.Fatalf("GET the old order: %d %v", code, got)
+	}
+
+	var ids []uuid.UUID
+	for range 2 {
+		code, _, created := post(t, api+"/api/orders", validOrder, nil)
+		id, err := uuid.Parse(fmt.Sprint(created["id"]))
+		if code != 201 || err != nil || id.Version() != 7 {
+			t.Fatalf("POST: %d %v (id: %v)", code, created, err)
+		}
+		ids = append(ids, id)
+	}
+	if ids[0] == ids[1] || ids[0].String()[24:] == ids[1].String()[24:] {
+		t.Fatalf("consecutive ids share their random part: %s %s", ids[0], ids[1])
+	}
+
+	rows, err := pool.Query(ctx, `SELECT payload::text FROM outbox_events WHERE event_type = 'order.created'`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	payloads, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil || len(payloads) != 2 {
+		t.Fatalf("order.created payloads: %v %v", payloads, err)
+	}
+	for _, p := range payloads {
+		var ev map[string]any
+		json.Unmarshal([]byte(p), &ev)
+		if strings.Contains(p, "Ada") || strings.Contains(p, "tea") || ev["itemCount"] != 2.0 || ev["totalCents"] != 900.0 ||
+			ev["status"] != "created" || !strings.Contains(fmt.Sprint(ids), fmt.Sprint(ev["id"])) {
+			t.Errorf("order.created payload %s: want ids, totals, status and item count only", p)
+		}
 	}
 }

@@ -72,14 +72,14 @@ func TestProcessTwoInstancesFanOut(t *testing.T) {
 	time.Sleep(50 * time.Millisecond) // both streams registered with their hub
 
 	const n = 40
-	var orderIDs []float64
+	var orderIDs []string
 	for i := range n {
 		api := []string{apiA, apiB}[i%2]
 		code, _, body := post(t, api+"/api/orders", validOrder, nil)
 		if code != 201 {
 			t.Fatalf("POST to %s: %d %v", api, code, body)
 		}
-		orderIDs = append(orderIDs, body["id"].(float64))
+		orderIDs = append(orderIDs, body["id"].(string))
 	}
 	want := func(frames []sseFrame) bool { return len(orderCreatedIDs(frames)) >= n }
 	clientA.waitFor(5*time.Second, "every order on A", want)
@@ -91,10 +91,11 @@ func TestProcessTwoInstancesFanOut(t *testing.T) {
 		if !slices.Equal(got, order) {
 			t.Errorf("client on %s got %v, want each event once in delivery order %v", name, got, order)
 		}
-		seenOrders := map[float64]bool{}
+		seenOrders := map[string]bool{}
 		for _, f := range c.events(eventOrderCreated) {
 			payload, _ := f.Data["payload"].(map[string]any)
-			seenOrders[payload["id"].(float64)] = true
+			id, _ := payload["id"].(string)
+			seenOrders[id] = true
 		}
 		for _, id := range orderIDs {
 			if !seenOrders[id] {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/google/uuid"
 	"github.com/meilisearch/meilisearch-go"
 )
 
@@ -45,19 +46,20 @@ func ensureOrdersIndex(ctx context.Context, client meilisearch.ServiceManager) e
 	return err
 }
 
-// searchOrderIDs asks Meilisearch for the ids of the orders matching q, best first.
-func searchOrderIDs(ctx context.Context, client meilisearch.ServiceManager, q string, limit int64) ([]int64, error) {
+// searchOrderIDs asks Meilisearch for the (public) ids of the orders matching
+// q, best first.
+func searchOrderIDs(ctx context.Context, client meilisearch.ServiceManager, q string, limit int64) ([]uuid.UUID, error) {
 	resp, err := client.Index(ordersIndex).Search(ctx, q, &meilisearch.SearchRequest{Limit: limit, AttributesToRetrieve: []string{"id"}})
 	if err != nil {
 		return nil, err
 	}
 	var hits []struct {
-		ID int64 `json:"id"`
+		ID uuid.UUID `json:"id"`
 	}
 	if err := resp.Hits.DecodeInto(&hits); err != nil {
 		return nil, fmt.Errorf("decoding search hits: %w", err)
 	}
-	ids := make([]int64, len(hits))
+	ids := make([]uuid.UUID, len(hits))
 	for i, h := range hits {
 		ids[i] = h.ID
 	}

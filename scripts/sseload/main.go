@@ -1,0 +1,231 @@
+// Command sseload measures event-stream fan-out on one instance: it opens N
+// streams on GET /api/events, reads the instance's memory with them idle,
+// posts orders at a fixed rate for a while and times each order from the
+// moment its POST was sent (an upper bound of its commit) to the moment each
+// stream received it; then it sends SIGTERM and times the exit.
+//
+//	sseload -api http://127.0.0.1:18091 -pid 1234 -streams 10000 -rate 200 -duration 10s
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "sseload:", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	api := flag.String("api", "", "base URL of the instance's API")
+	pid := flag.Int("pid", 0, "process id of the instance (memory, SIGTERM)")
+	streams := flag.Int("streams", 1000, "event streams to hold open")
+	rate := flag.Int("rate", 200, "orders posted per second")
+	duration := flag.Duration("duration", 10*time.Second, "how long orders are posted")
+	linger := flag.Duration("linger", 0, "the instance's KUMIKO_LINGER, for the exit budget")
+	flag.Parse()
+	u, err := url.Parse(*api)
+	if err != nil || u.Host == "" || *pid == 0 {
+		return errors.New("-api and -pid are required")
+	}
+
+	rssIdle := rssKB(*pid)
+	r := &receiver{sent: map[string]time.Time{}}
+	conns := make([]net.Conn, 0, *streams)
+	defer func() {
+		for _, c := range conns {
+			c.Close()
+		}
+	}()
+	var readers sync.WaitGroup
+	openStart := time.Now()
+	for i := range *streams {
+		c, err := openStream(u.Host)
+		if err != nil {
+			return fmt.Errorf("opening stream %d of %d: %w", i+1, *streams, err)
+		}
+		conns = append(conns, c)
+		readers.Go(func() { r.read(c) })
+	}
+	openTook := time.Since(openStart)
+	time.Sleep(time.Second) // let the instance settle before its memory is read
+	rssOpen := rssKB(*pid)
+	cpu0 := cpuSeconds(*pid)
+
+	posted := postOrders(*api, *rate, *duration, r)
+	deadline := time.Now().Add(10 * time.Second)
+	for r.received.Load() < int64(posted**streams) && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	cpu := cpuSeconds(*pid) - cpu0
+
+	exitStart := time.Now()
+	syscall.Kill(*pid, syscall.SIGTERM)
+	for syscall.Kill(*pid, 0) == nil && time.Since(exitStart) < time.Minute {
+		time.Sleep(5 * time.Millisecond)
+	}
+	exitTook := time.Since(exitStart)
+	readers.Wait()
+
+	lat := r.latencies()
+	fmt.Printf("streams %d (opened in %s)   orders %d at %d/s   deliveries %d of %d\n",
+		*streams, openTook.Round(time.Millisecond), posted, *rate, len(lat), posted**streams)
+	fmt.Printf("post → stream   p50 %.1f ms   p99 %.1f ms   max %.1f ms\n", pct(lat, 50), pct(lat, 99), pct(lat, 100))
+	fmt.Printf("memory          RSS %d MB idle, %d MB with the streams: %.1f KB per stream\n",
+		rssIdle/1024, rssOpen/1024, float64(rssOpen-rssIdle)/float64(*streams))
+	fmt.Printf("CPU             %.2f s over the posting (%.0f%% of one core)\n", cpu, 100*cpu/duration.Seconds())
+	fmt.Printf("SIGTERM → exit  %s (budget: linger %s + 1 s)\n", exitTook.Round(time.Millisecond), *linger)
+	return nil
+}
+
+// openStream sends the request by hand: an http.Client per stream would cost
+// more memory on this side than the instance spends on its side.
+func openStream(host string) (net.Conn, error) {
+	c, err := net.DialTimeout("tcp", host, 5*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(c, "GET /api/events HTTP/1.1\r\nHost: %s\r\nAccept: text/event-stream\r\n\r\n", host)
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	br := bufio.NewReaderSize(c, 512)
+	status, err := br.ReadString('\n')
+	if err != nil || !strings.Contains(status, " 200 ") {
+		c.Close()
+		return nil, fmt.Errorf("status %q: %v", strings.TrimSpace(status), err)
+	}
+	c.SetReadDeadline(time.Time{})
+	return bufferedConn{Conn: c, r: br}, nil
+}
+
+type bufferedConn struct {
+	net.Conn
+	r *bufio.Reader
+}
+
+func (b bufferedConn) Read(p []byte) (int, error) { return b.r.Read(p) }
+
+// receiver matches what the streams receive with what was posted, by order id.
+type receiver struct {
+	mu       sync.Mutex
+	sent     map[string]time.Time
+	lat      []time.Duration
+	received atomic.Int64
+}
+
+func (r *receiver) posted(id string, at time.Time) {
+	r.mu.Lock()
+	r.sent[id] = at
+	r.mu.Unlock()
+}
+
+func (r *receiver) read(c net.Conn) {
+	sc := bufio.NewScanner(c)
+	for sc.Scan() {
+		data, ok := bytes.CutPrefix(sc.Bytes(), []byte("data: "))
+		if !ok {
+			continue
+		}
+		now := time.Now()
+		var ev struct {
+			ID json.RawMessage `json:"id"`
+		}
+		if json.Unmarshal(data, &ev) != nil || ev.ID == nil {
+			continue
+		}
+		r.mu.Lock()
+		if at, ok := r.sent[string(ev.ID)]; ok {
+			r.lat = append(r.lat, now.Sub(at))
+			r.received.Add(1)
+		}
+		r.mu.Unlock()
+	}
+}
+
+func (r *receiver) latencies() []time.Duration {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Sorted(slices.Values(r.lat))
+}
+
+// postOrders posts at a fixed rate; each order's id is registered before its
+// POST could be answered, so no stream can see it unknown. It returns how
+// many orders were created.
+func postOrders(api string, rate int, d time.Duration, r *receiver) int {
+	body := []byte(`{"customer":"Ada","items":[{"sku":"tea","qty":1,"priceCents":250}]}`)
+	client := &http.Client{Timeout: 10 * time.Second}
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	tick := time.NewTicker(time.Second / time.Duration(rate))
+	defer tick.Stop()
+	var created atomic.Int64
+	var wg sync.WaitGroup
+	for {
+		select {
+		case <-ctx.Done():
+			wg.Wait()
+			return int(created.Load())
+		case <-tick.C:
+		}
+		wg.Go(func() {
+			start := time.Now()
+			resp, err := client.Post(api+"/api/orders", "application/json", bytes.NewReader(body))
+			if err != nil {
+				return
+			}
+			defer resp.Body.Close()
+			var o struct {
+				ID json.RawMessage `json:"id"`
+			}
+			if resp.StatusCode == http.StatusCreated && json.NewDecoder(resp.Body).Decode(&o) == nil {
+				r.posted(string(o.ID), start)
+				created.Add(1)
+			}
+		})
+	}
+}
+
+func pct(sorted []time.Duration, p int) float64 {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := min(len(sorted)-1, len(sorted)*p/100)
+	return float64(sorted[i].Microseconds()) / 1000
+}
+
+func rssKB(pid int) int64 {
+	raw, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	for line := range strings.Lines(string(raw)) {
+		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			n, _ := strconv.ParseInt(strings.Fields(rest)[0], 10, 64)
+			return n
+		}
+	}
+	return 0
+}
+
+func cpuSeconds(pid int) float64 {
+	raw, _ := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	fields := strings.Fields(string(raw[bytes.LastIndexByte(raw, ')')+2:]))
+	utime, _ := strconv.ParseFloat(fields[11], 64)
+	stime, _ := strconv.ParseFloat(fields[12], 64)
+	return (utime + stime) / 100 // USER_HZ is 100 on Linux
+}
