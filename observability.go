@@ -97,6 +97,7 @@ type metrics struct {
 	outboxDelivered   prometheus.Counter
 	outboxFailed      prometheus.Counter
 	outboxDead        prometheus.Counter
+	outboxWakeFailed  prometheus.Counter
 	outboxLatency     prometheus.Histogram
 	sseStreams        prometheus.Gauge
 	sseDropped        prometheus.Counter
@@ -165,6 +166,9 @@ func newMetrics() *metrics {
 		outboxDead: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kumiko_outbox_dead_total", Help: "Outbox events given up after the maximum attempts.",
 		}),
+		outboxWakeFailed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kumiko_outbox_wake_failed_total", Help: "Redis wake-ups of the SSE hubs that failed (delivery is unaffected; hubs poll Postgres).",
+		}),
 		outboxLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "kumiko_outbox_delivery_latency_seconds", Help: "From writing an event to its delivery.",
 			Buckets: []float64{.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 5, 30},
@@ -197,7 +201,7 @@ func newMetrics() *metrics {
 		m.state, m.stateChanges, m.phaseDuration, m.startupDuration, m.shutdownStep, m.shutdownForced,
 		m.httpInFlight, m.httpRequests, m.httpDuration, m.readinessOK, m.readinessProbes, m.panics,
 		m.connectAttempts, m.heartbeatWritten,
-		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxLatency,
+		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxWakeFailed, m.outboxLatency,
 		m.sseStreams, m.sseDropped, m.ordersCreated, m.leader, m.leaderTransitions, m.jobs, m.jobDuration,
 	)
 	return m
