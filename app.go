@@ -205,20 +205,13 @@ func (a *app) startJobsWorker(ctx context.Context, p *phaseRun) error {
 	sched := &scheduler{db: a.db, jobs: a.jobs, schedule: mustSchedule(a.cfg.Jobs.ReportCron),
 		beat: a.heartbeats.RegisterHeartbeat("scheduler", ""), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
 		log: a.log.WithField("component", "scheduler")}
-	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, sched.lead, a.log, a.metrics,
+	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, sched.lead, sched.fence, a.log, a.metrics,
 		func(r any) { a.panicked("leader", r) })
 	if err := a.retry(ctx, p, "leaderElection", 3, el.Start); err != nil {
 		return err
 	}
 	a.lc.RegisterShutdownHook("leaderElection", el.Stop)
-	rdb := a.redis
-	a.health.RegisterReadinessCheck("schedulerLeader", false, func(ctx context.Context) checkResult {
-		leader, err := currentLeader(ctx, rdb)
-		if err != nil {
-			return failedResult(err, map[string]any{"isLeader": el.isLeader()})
-		}
-		return okResult(map[string]any{"isLeader": el.isLeader(), "leader": leader})
-	})
+	a.health.RegisterReadinessCheck("schedulerLeader", false, el.readinessCheck)
 	return nil
 }
 

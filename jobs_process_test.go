@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"net/http"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
@@ -176,6 +177,86 @@ func TestProcessSplitBrainIsFenced(t *testing.T) {
 	}
 	got := assertNoDuplicateTicks(t, pool)
 	t.Logf("split brain: %d ticks, none duplicated", len(got))
+}
+
+// 8. Cron timing: "@every 2s" with a 1s renew interval (and heartbeats every
+// 500ms, which used to push the next tick back at every beat) fires every 2s.
+func TestProcessCronEveryFiresOnTime(t *testing.T) {
+	env := leaderEnv(t)
+	env["KUMIKO_REPORT_CRON"] = "@every 2s"
+	env["KUMIKO_LEADER_LOCK_TTL"] = "3s"
+	env["KUMIKO_LEADER_RENEW_INTERVAL"] = "1s"
+	env["KUMIKO_HEARTBEAT_INTERVAL"] = "500ms"
+	env["KUMIKO_HEARTBEAT_TTL"] = "2s"
+	a := startAs(t, env, "a")
+	led := becameLeader(a, 10*time.Second)
+	pool := sharedPool(t, env)
+
+	// 5 ticks (the take-over tick and four more) take about 8s; the bound
+	// only keeps a broken scheduler from hanging the test.
+	waitFor(t, 30*time.Second, "five distinct ticks", func() bool { return len(ticks(t, pool)) >= 5 })
+	got := assertNoDuplicateTicks(t, pool)
+	var at []time.Time
+	for s := range got {
+		ts, err := time.Parse(time.RFC3339Nano, s)
+		if err != nil {
+			t.Fatalf("tick %q: %v", s, err)
+		}
+		at = append(at, ts)
+	}
+	slices.SortFunc(at, func(x, y time.Time) int { return x.Compare(y) })
+	for i := 1; i < len(at); i++ {
+		if gap := at[i].Sub(at[i-1]); gap != 2*time.Second {
+			t.Errorf("ticks %s and %s are %s apart, want 2s: %v", at[i-1], at[i], gap, at)
+		}
+	}
+	var lastCreated time.Time
+	pool.QueryRow(context.Background(), `SELECT max(created_at) FROM river_job WHERE kind = 'report'`).Scan(&lastCreated)
+	t.Logf("%d ticks in %s after becoming leader", len(at), lastCreated.Sub(led).Round(time.Millisecond))
+}
+
+// 9. FLUSHALL: Redis forgets the fencing counter while the database keeps
+// the fence. The leader says "fenced" (log, metric, readiness), acquires a
+// token above the fence, and ticks resume within 2 × the lock TTL.
+func TestProcessFlushallFencesAndTicksResume(t *testing.T) {
+	env := leaderEnv(t)
+	env["KUMIKO_LEADER_LOCK_TTL"] = "2s"
+	env["KUMIKO_LEADER_RENEW_INTERVAL"] = "500ms"
+	env["KUMIKO_HEARTBEAT_TTL"] = "2s"
+	a := startAs(t, env, "a")
+	becameLeader(a, 10*time.Second)
+	ops, _ := a.waitReady()
+	pool := sharedPool(t, env)
+	waitFor(t, 10*time.Second, "two ticks", func() bool { return len(ticks(t, pool)) >= 2 })
+
+	rdb := redisClient(t, env["REDIS_URL"])
+	var flushed time.Time
+	if err := pool.QueryRow(context.Background(), `SELECT now()`).Scan(&flushed); err != nil {
+		t.Fatal(err)
+	}
+	if err := rdb.FlushAll(context.Background()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	a.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "fenced"})
+	var resumed time.Time
+	waitFor(t, 4*time.Second, "a tick enqueued after FLUSHALL (2 × lock TTL)", func() bool {
+		pool.QueryRow(context.Background(), `SELECT coalesce(min(created_at), 'epoch') FROM river_job
+			WHERE kind = 'report' AND created_at > $1 AND (args->>'scheduledAt')::timestamptz > $1`, flushed).Scan(&resumed)
+		return resumed.After(flushed)
+	})
+	t.Logf("FLUSHALL → next tick enqueued: %s", resumed.Sub(flushed).Round(time.Millisecond))
+	if v, err := scrapeMetric(ops, "kumiko_leader_fenced_total"); err != nil || v < 1 {
+		t.Errorf("kumiko_leader_fenced_total = %v (%v), want ≥ 1", v, err)
+	}
+	code, _, body, err := get(t, http.DefaultClient, ops+"/health/ready")
+	if err != nil {
+		t.Fatal(err)
+	}
+	check, _ := body["checks"].(map[string]any)["schedulerLeader"].(map[string]any)
+	if n, _ := check["fencedTotal"].(float64); n < 1 || check["lastFencedAt"] == nil {
+		t.Errorf("readiness %d: schedulerLeader check %v does not show the fencing", code, check)
+	}
+	assertNoDuplicateTicks(t, pool)
 }
 
 func currentLeaderFromPool(t *testing.T, env map[string]string) (string, error) {

@@ -104,6 +104,8 @@ type metrics struct {
 	ordersCreated     *prometheus.CounterVec
 	leader            prometheus.Gauge
 	leaderTransitions prometheus.Counter
+	leaderFenced      prometheus.Gauge
+	leaderFencedTotal prometheus.Counter
 	jobs              *prometheus.CounterVec
 	jobDuration       *prometheus.HistogramVec
 }
@@ -188,6 +190,12 @@ func newMetrics() *metrics {
 		leaderTransitions: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kumiko_leader_transitions_total", Help: "Times this instance became or stopped being leader.",
 		}),
+		leaderFenced: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kumiko_leader_fenced", Help: "1 while this instance is fenced: it met a newer fencing token and does not lead with a valid one yet.",
+		}),
+		leaderFencedTotal: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kumiko_leader_fenced_total", Help: "Times this instance met a fence: a stale token refused, or a token counter behind the fence raised.",
+		}),
 		jobs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kumiko_jobs_total", Help: "Jobs worked by this instance, by kind and result.",
 		}, []string{"kind", "result"}),
@@ -202,7 +210,7 @@ func newMetrics() *metrics {
 		m.httpInFlight, m.httpRequests, m.httpDuration, m.readinessOK, m.readinessProbes, m.panics,
 		m.connectAttempts, m.heartbeatWritten,
 		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxWakeFailed, m.outboxLatency,
-		m.sseStreams, m.sseDropped, m.ordersCreated, m.leader, m.leaderTransitions, m.jobs, m.jobDuration,
+		m.sseStreams, m.sseDropped, m.ordersCreated, m.leader, m.leaderTransitions, m.leaderFenced, m.leaderFencedTotal, m.jobs, m.jobDuration,
 	)
 	return m
 }
