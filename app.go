@@ -164,7 +164,7 @@ func (a *app) listenAPI(ctx context.Context, p *phaseRun) error {
 func (a *app) startOutboxPoller(ctx context.Context, p *phaseRun) error {
 	j, err := newJobs(jobDeps{db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket,
 		masterKey: a.masterKey, log: a.log.WithField("component", "jobs")},
-		a.cfg.Jobs, a.cfg.InstanceID, a.features, a.cfg.LogFormat, a.tracing.tracer, a.metrics)
+		a.cfg.Jobs, a.cfg.InstanceID, a.features, a.tracing.tracer, a.metrics)
 	if err != nil {
 		return err
 	}

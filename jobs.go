@@ -84,7 +84,7 @@ type jobDeps struct {
 
 // newJobs creates the River client without starting it: the outbox poller
 // (phase 13) inserts jobs before the worker starts (phase 14).
-func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, logFormat string, tracer trace.Tracer, m *metrics) (*jobs, error) {
+func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, tracer trace.Tracer, m *metrics) (*jobs, error) {
 	workers := river.NewWorkers()
 	river.AddWorker(workers, river.WorkFunc(d.indexOrder))
 	river.AddWorker(workers, river.WorkFunc(d.writeReceipt))
@@ -97,7 +97,7 @@ func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, l
 		FetchPollInterval:    cfg.PollInterval,
 		JobTimeout:           cfg.Timeout,
 		RescueStuckJobsAfter: cfg.RescueAfter,
-		Logger:               riverLogger(d.log, logFormat),
+		Logger:               riverLogger(d.log),
 		Middleware:           []rivertype.Middleware{traceAndCountJobs(tracer, m)},
 	})
 	if err != nil {
@@ -112,14 +112,56 @@ func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, l
 	return &jobs{client: client, subscribers: subscribers, tracer: tracer, log: d.log}, nil
 }
 
-// riverLogger sends River's own warnings and errors to the process log's
-// output; River logs with slog.
-func riverLogger(log *logrus.Entry, format string) *slog.Logger {
-	opts := &slog.HandlerOptions{Level: slog.LevelWarn}
-	if format == "json" {
-		return slog.New(slog.NewJSONHandler(log.Logger.Out, opts)).With("component", "river")
+// riverLogger routes River's own warnings and errors (it logs with slog)
+// through the process logger, so they get its format, its instance field and
+// its secret scrubbing, like every other line.
+func riverLogger(log *logrus.Entry) *slog.Logger {
+	return slog.New(logrusHandler{log: log.WithField("component", "river"), level: slog.LevelWarn})
+}
+
+// logrusHandler is a slog.Handler writing to a logrus entry.
+type logrusHandler struct {
+	log   *logrus.Entry
+	level slog.Level
+	group string // prefix of attribute keys, from WithGroup
+}
+
+func (h logrusHandler) Enabled(_ context.Context, l slog.Level) bool { return l >= h.level }
+
+func (h logrusHandler) Handle(_ context.Context, r slog.Record) error {
+	fields := logrus.Fields{}
+	r.Attrs(func(a slog.Attr) bool {
+		fields[h.group+a.Key] = a.Value.Resolve().Any()
+		return true
+	})
+	e := h.log.WithFields(fields)
+	switch {
+	case r.Level >= slog.LevelError:
+		e.Error(r.Message)
+	case r.Level >= slog.LevelWarn:
+		e.Warn(r.Message)
+	case r.Level >= slog.LevelInfo:
+		e.Info(r.Message)
+	default:
+		e.Debug(r.Message)
 	}
-	return slog.New(slog.NewTextHandler(log.Logger.Out, opts)).With("component", "river")
+	return nil
+}
+
+func (h logrusHandler) WithAttrs(attrs []slog.Attr) slog.Handler {
+	fields := logrus.Fields{}
+	for _, a := range attrs {
+		fields[h.group+a.Key] = a.Value.Resolve().Any()
+	}
+	h.log = h.log.WithFields(fields)
+	return h
+}
+
+func (h logrusHandler) WithGroup(name string) slog.Handler {
+	if name != "" {
+		h.group += name + "."
+	}
+	return h
 }
 
 // insertForEvents inserts the jobs the delivered events trigger, in the

@@ -212,7 +212,46 @@ func newMetrics() *metrics {
 		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxWakeFailed, m.outboxLatency,
 		m.sseStreams, m.sseDropped, m.ordersCreated, m.leader, m.leaderTransitions, m.leaderFenced, m.leaderFencedTotal, m.jobs, m.jobDuration,
 	)
+	m.initKnownLabels()
 	return m
+}
+
+// Label values known before anything happens. A labelled counter has no
+// series until its first increment, so increase(...) cannot see that first
+// one (increase needs two samples): every series listed here starts at 0.
+var (
+	// panicComponents: the onPanic callbacks (app.go), the event bus and the
+	// two HTTP servers' recover middleware.
+	panicComponents  = []string{"api", "ops", "sse", "outboxPoller", "leader", "events"}
+	connectTargets   = []string{"postgres", "redis", "outboxPoller", "jobsWorker", "leaderElection"}
+	heartbeatWorkers = []string{"outbox", "jobs", "scheduler"}
+	orderResults     = []string{"created", "replayed", "conflict"}
+	jobKinds         = []string{jobIndexOrder, jobWriteReceipt, jobReport, jobSleep}
+)
+
+func (m *metrics) initKnownLabels() {
+	for _, c := range panicComponents {
+		m.panics.WithLabelValues(c)
+	}
+	for from := range stateNames {
+		for to := from + 1; to < len(stateNames); to++ { // transitions only go forward
+			m.stateChanges.WithLabelValues(stateNames[from], stateNames[to])
+		}
+	}
+	for _, r := range []string{"ok", "failed"} {
+		for _, t := range connectTargets {
+			m.connectAttempts.WithLabelValues(t, r)
+		}
+		for _, w := range heartbeatWorkers {
+			m.heartbeatWritten.WithLabelValues(w, r)
+		}
+		for _, k := range jobKinds {
+			m.jobs.WithLabelValues(k, r)
+		}
+	}
+	for _, r := range orderResults {
+		m.ordersCreated.WithLabelValues(r)
+	}
 }
 
 func (m *metrics) setState(s State) {
