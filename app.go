@@ -163,7 +163,7 @@ func (a *app) listenAPI(ctx context.Context, p *phaseRun) error {
 // need a working poller; then the boot ends.
 func (a *app) startOutboxPoller(ctx context.Context, p *phaseRun) error {
 	j, err := newJobs(jobDeps{db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket,
-		masterKey: a.masterKey, log: a.log.WithField("component", "jobs")},
+		masterKey: a.masterKey, log: a.log.WithField("component", "jobs"), outboxRetention: a.cfg.Outbox.Retention},
 		a.cfg.Jobs, a.cfg.InstanceID, a.features, a.tracing.tracer, a.metrics)
 	if err != nil {
 		return err
@@ -202,7 +202,7 @@ func (a *app) startJobsWorker(ctx context.Context, p *phaseRun) error {
 		a.health.RegisterSkipped("schedulerLeader", "KUMIKO_LEADER_ENABLED=false: this instance schedules no cron jobs")
 		return nil
 	}
-	sched := &scheduler{db: a.db, jobs: a.jobs, schedule: mustSchedule(a.cfg.Jobs.ReportCron),
+	sched := &scheduler{db: a.db, jobs: a.jobs, crons: cronsOf(a.features),
 		beat: a.heartbeats.RegisterHeartbeat("scheduler", ""), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
 		log: a.log.WithField("component", "scheduler")}
 	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, sched.lead, sched.fence, a.log, a.metrics,

@@ -54,6 +54,8 @@ type outboxConfig struct {
 	MaxAttempts  uint          // failed deliveries before an event is dead
 	RetryBase    time.Duration // first delay after a failed delivery; doubles
 	RetryMax     time.Duration // cap on that delay
+	Retention    time.Duration // delivered events older than this are deleted (dead ones are kept)
+	PurgeCron    string        // when the leader enqueues the retention job
 }
 
 type jobsConfig struct {
@@ -128,7 +130,7 @@ func defaultConfig() config {
 		LogFormat: "text",
 		Storage:   storageConfig{Bucket: "kumiko-demo"},
 		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, Listen: true, MaxAttempts: 10,
-			RetryBase: time.Second, RetryMax: 5 * time.Minute},
+			RetryBase: time.Second, RetryMax: 5 * time.Minute, Retention: 7 * 24 * time.Hour, PurgeCron: "@hourly"},
 		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second},
 		Jobs: jobsConfig{Workers: 10, PollInterval: time.Second, Timeout: time.Minute, RescueAfter: time.Hour,
 			ReportCron: "*/5 * * * *"},
@@ -188,6 +190,8 @@ func (c *config) settings() []configSetting {
 		{"outbox.maxAttempts", "KUMIKO_OUTBOX_MAX_ATTEMPTS", uintValue{p: &c.Outbox.MaxAttempts}},
 		{"outbox.retryBaseSec", "KUMIKO_OUTBOX_RETRY_BASE", durationValue{p: &c.Outbox.RetryBase}},
 		{"outbox.retryMaxSec", "KUMIKO_OUTBOX_RETRY_MAX", durationValue{p: &c.Outbox.RetryMax}},
+		{"outbox.retentionSec", "KUMIKO_OUTBOX_RETENTION", durationValue{p: &c.Outbox.Retention}},
+		{"outbox.purgeCron", "KUMIKO_OUTBOX_PURGE_CRON", textValue{p: &c.Outbox.PurgeCron}},
 		{"jobs.workers", "KUMIKO_JOBS_WORKERS", uintValue{p: &c.Jobs.Workers}},
 		{"jobs.pollIntervalSec", "KUMIKO_JOBS_POLL_INTERVAL", durationValue{p: &c.Jobs.PollInterval}},
 		{"jobs.timeoutSec", "KUMIKO_JOBS_TIMEOUT", durationValue{p: &c.Jobs.Timeout}},

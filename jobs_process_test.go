@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -398,4 +399,67 @@ func adminGet(t *testing.T, ops, path string) (int, http.Header, map[string]any)
 	body := map[string]any{}
 	jsonDecode(resp.Body, &body)
 	return resp.StatusCode, resp.Header, body
+}
+
+// 10. Outbox retention: the leader schedules purgeOutbox; a run deletes the
+// delivered events older than KUMIKO_OUTBOX_RETENTION, in batches, and keeps
+// recent delivered, pending and dead events. Two instances, one tick each.
+func TestProcessOutboxRetention(t *testing.T) {
+	env := leaderEnv(t)
+	env["KUMIKO_OUTBOX_RETENTION"] = "1h"
+	env["KUMIKO_OUTBOX_PURGE_CRON"] = "@every 1s"
+	a, b := startAs(t, env, "a"), startAs(t, env, "b")
+	a.waitReady()
+	b.waitReady()
+	pool := sharedPool(t, env)
+	ctx := context.Background()
+
+	var inserted time.Time
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		// 2,500 old delivered events: more than two purge batches.
+		_, err := tx.Exec(ctx, `INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, created_at, delivered_at, delivery_seq)
+			SELECT 'test', 'old', 'test.old', '{}', now() - interval '3 hours', now() - interval '2 hours', nextval('outbox_delivery_seq')
+			FROM generate_series(1, 2500)`)
+		if err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, `INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, created_at, delivered_at, delivery_seq, next_attempt_at, dead_at, attempts, last_error)
+			VALUES ('test', 'recent', 'test.recent', '{}', now() - interval '20 minutes', now() - interval '10 minutes', nextval('outbox_delivery_seq'), now(), NULL, 0, NULL),
+			       ('test', 'pending', 'test.pending', '{}', now() - interval '3 hours', NULL, NULL, now() + interval '1 day', NULL, 3, 'retrying'),
+			       ('test', 'dead', 'test.dead', '{}', now() - interval '3 hours', NULL, NULL, now(), now() - interval '2 hours', 10, 'gave up')`)
+		if err != nil {
+			return err
+		}
+		return tx.QueryRow(ctx, `SELECT now()`).Scan(&inserted)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 15*time.Second, "a purge run after the inserts", func() bool {
+		var done int
+		pool.QueryRow(ctx, `SELECT count(*) FROM river_job WHERE kind = 'purgeOutbox' AND state = 'completed' AND created_at > $1`, inserted).Scan(&done)
+		return done > 0
+	})
+	left := map[string]int{}
+	rows, err := pool.Query(ctx, `SELECT aggregate_id, count(*) FROM outbox_events WHERE aggregate_type = 'test' GROUP BY 1`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var id string
+		var n int
+		rows.Scan(&id, &n)
+		left[id] = n
+	}
+	if left["old"] != 0 || left["recent"] != 1 || left["pending"] != 1 || left["dead"] != 1 {
+		t.Errorf("after the purge: %v; want no old delivered event, the recent, pending and dead ones kept", left)
+	}
+	// Leader only: each tick enqueued once, with a fencing token, while two instances run.
+	var dup, unfenced int
+	pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE n > 1), count(*) FILTER (WHERE tok = 0) FROM (
+		SELECT args->>'scheduledAt', count(*) AS n, min(coalesce((args->>'fencingToken')::bigint, 0)) AS tok
+		FROM river_job WHERE kind = 'purgeOutbox' GROUP BY 1) t`).Scan(&dup, &unfenced)
+	if dup != 0 || unfenced != 0 {
+		t.Errorf("%d purge ticks enqueued more than once, %d without a leader's fencing token", dup, unfenced)
+	}
 }

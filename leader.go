@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	"github.com/riverqueue/river"
 	"github.com/robfig/cron/v3"
 	"github.com/sirupsen/logrus"
 )
@@ -315,17 +316,47 @@ func currentLeader(ctx context.Context, rdb *redis.Client) (string, error) {
 // descriptors such as @hourly or @every 10s.
 var cronParser = cron.NewParser(cron.SecondOptional | cron.Minute | cron.Hour | cron.Dom | cron.Month | cron.Dow | cron.Descriptor)
 
-// scheduler enqueues the report at every tick of its schedule while this
-// instance leads. Each tick is inserted with a unique key (the tick's time)
-// in a transaction that first checks the fencing token against the database,
-// so neither two leaders nor a stale one can enqueue a tick twice.
+// scheduler enqueues the cron jobs of the feature graph (the report, the
+// outbox purge) at every tick of their schedules while this instance leads.
+// Each tick is inserted with a unique key (the tick's time) in a transaction
+// that first checks the fencing token against the database, so neither two
+// leaders nor a stale one can enqueue a tick twice.
 type scheduler struct {
-	db       *pgxpool.Pool
-	jobs     *jobs
+	db      *pgxpool.Pool
+	jobs    *jobs
+	crons   []scheduledJob
+	beat    *heartbeat
+	beatInt time.Duration
+	log     *logrus.Entry
+}
+
+// scheduledJob is one cron schedule: a job kind and when it runs.
+type scheduledJob struct {
+	job      string
 	schedule cron.Schedule
-	beat     *heartbeat
-	beatInt  time.Duration
-	log      *logrus.Entry
+}
+
+// cronsOf collects the cron schedules every feature declared; bootValidation
+// has already parsed each spec.
+func cronsOf(features []feature) []scheduledJob {
+	var crons []scheduledJob
+	for _, f := range features {
+		for _, c := range f.crons {
+			crons = append(crons, scheduledJob{job: c.job, schedule: alignEvery(mustSchedule(c.spec))})
+		}
+	}
+	return crons
+}
+
+// cronArgs is the job one tick of a schedule inserts.
+func cronArgs(job string, tick time.Time, token int64) (river.JobArgs, error) {
+	switch job {
+	case jobReport:
+		return reportArgs{ScheduledAt: tick, FencingToken: token}, nil
+	case jobPurgeOutbox:
+		return purgeOutboxArgs{ScheduledAt: tick, FencingToken: token}, nil
+	}
+	return nil, fmt.Errorf("job %s cannot be scheduled by cron", job)
 }
 
 // fencedError means a newer leader's token is in the database: this leader
@@ -345,16 +376,16 @@ func (s *scheduler) fence(ctx context.Context) (int64, error) {
 	return token, nil
 }
 
-// lead is elector.lead. One timer runs per schedule: the next tick is
-// computed from the last one, never from "now" at some unrelated wake-up,
-// so a heartbeat or renew interval cannot postpone it. Policy for missed
-// ticks: on taking over, the newest tick of the last interval is enqueued (a
-// no-op when the previous leader did); older missed ticks are not — a report
-// is about now, not a backlog. A tick refused by the fence ends lead with a
-// *fencedError: the elector steps down and acquires a valid token.
+// lead is elector.lead. Every schedule keeps its own next tick, computed
+// from its last tick, never from "now" at some unrelated wake-up, so neither
+// a heartbeat, a renew interval nor another schedule can postpone it; one
+// timer is set to the earliest of them. Policy for missed ticks: on taking
+// over, the newest tick of the last interval is enqueued (a no-op when the
+// previous leader did); older missed ticks are not — a report is about now,
+// not a backlog. A tick refused by the fence ends lead with a *fencedError:
+// the elector steps down and acquires a valid token.
 func (s *scheduler) lead(ctx context.Context, token int64) error {
 	log := s.log.WithField("fencing_token", token)
-	schedule := alignEvery(s.schedule)
 	// Raise the fence first: from now on a stale leader's inserts are refused.
 	if err := raiseFence(ctx, s.db, token); err != nil {
 		if fe := (*fencedError)(nil); errors.As(err, &fe) {
@@ -367,13 +398,17 @@ func (s *scheduler) lead(ctx context.Context, token int64) error {
 	beat := time.NewTicker(s.beatInt)
 	defer beat.Stop()
 	s.heartbeat(ctx)
-	if prev, ok := previousTick(schedule, time.Now()); ok {
-		if err := s.enqueue(ctx, log, token, prev); err != nil {
-			return err
+	now := time.Now()
+	next := make([]time.Time, len(s.crons))
+	for i, c := range s.crons {
+		if prev, ok := previousTick(c.schedule, now); ok {
+			if err := s.enqueue(ctx, log, token, c.job, prev); err != nil {
+				return err
+			}
 		}
+		next[i] = c.schedule.Next(now)
 	}
-	next := schedule.Next(time.Now())
-	timer := time.NewTimer(time.Until(next))
+	timer := time.NewTimer(time.Until(earliest(next)))
 	defer timer.Stop()
 	for {
 		select {
@@ -382,17 +417,34 @@ func (s *scheduler) lead(ctx context.Context, token int64) error {
 		case <-beat.C:
 			s.heartbeat(ctx)
 		case <-timer.C:
-			if err := s.enqueue(ctx, log, token, next); err != nil {
-				return err
+			for i, c := range s.crons {
+				if next[i].After(time.Now()) {
+					continue
+				}
+				if err := s.enqueue(ctx, log, token, c.job, next[i]); err != nil {
+					return err
+				}
+				// Late (a paused process, a slow enqueue)? Skip to the newest
+				// due tick rather than fire a burst of stale ones.
+				now := time.Now()
+				for next[i] = c.schedule.Next(next[i]); !c.schedule.Next(next[i]).After(now); next[i] = c.schedule.Next(next[i]) {
+				}
 			}
-			// Late (a paused process, a slow enqueue)? Skip to the newest due
-			// tick rather than fire a burst of stale ones.
-			now := time.Now()
-			for next = schedule.Next(next); !schedule.Next(next).After(now); next = schedule.Next(next) {
-			}
-			timer.Reset(time.Until(next))
+			timer.Reset(time.Until(earliest(next)))
 		}
 	}
+}
+
+// earliest is the soonest of the schedules' next ticks (a day away if there
+// are none, which bootValidation does not forbid).
+func earliest(ts []time.Time) time.Time {
+	first := time.Now().Add(24 * time.Hour)
+	for _, t := range ts {
+		if t.Before(first) {
+			first = t
+		}
+	}
+	return first
 }
 
 // raiseFence sets the fence to token unless a newer leader raised it
@@ -422,13 +474,18 @@ func (s *scheduler) heartbeat(ctx context.Context) {
 // the fencing token against the database. Only a fence is returned as an
 // error (the leader must step down); other failures are logged and the next
 // tick tries again.
-func (s *scheduler) enqueue(ctx context.Context, log *logrus.Entry, token int64, tick time.Time) error {
+func (s *scheduler) enqueue(ctx context.Context, log *logrus.Entry, token int64, job string, tick time.Time) error {
 	tick = tick.UTC()
+	log = log.WithField("job", job)
 	err := pgx.BeginFunc(ctx, s.db, func(tx pgx.Tx) error {
 		if err := raiseFence(ctx, tx, token); err != nil {
 			return err
 		}
-		res, err := s.jobs.client.InsertTx(ctx, tx, reportArgs{ScheduledAt: tick, FencingToken: token}, nil)
+		args, err := cronArgs(job, tick, token)
+		if err != nil {
+			return err
+		}
+		res, err := s.jobs.client.InsertTx(ctx, tx, args, nil)
 		if err == nil && res.UniqueSkippedAsDuplicate {
 			log.WithField("tick", tick).Debug("tick already enqueued")
 		}
@@ -439,7 +496,7 @@ func (s *scheduler) enqueue(ctx context.Context, log *logrus.Entry, token int64,
 		return err
 	}
 	if err != nil && ctx.Err() == nil {
-		log.WithField("tick", tick).WithError(err).Warn("enqueueing the report")
+		log.WithField("tick", tick).WithError(err).Warn("enqueueing a cron job")
 	}
 	return nil
 }
