@@ -418,8 +418,8 @@ func (s *scheduler) lead(ctx context.Context, token int64) error {
 			s.heartbeat(ctx)
 		case <-timer.C:
 			for i, c := range s.crons {
-				if next[i].After(time.Now()) {
-					continue
+				if next[i].IsZero() || next[i].After(time.Now()) {
+					continue // zero: a spec that never matches (robfig gives up after 5 years)
 				}
 				if err := s.enqueue(ctx, log, token, c.job, next[i]); err != nil {
 					return err
@@ -427,7 +427,7 @@ func (s *scheduler) lead(ctx context.Context, token int64) error {
 				// Late (a paused process, a slow enqueue)? Skip to the newest
 				// due tick rather than fire a burst of stale ones.
 				now := time.Now()
-				for next[i] = c.schedule.Next(next[i]); !c.schedule.Next(next[i]).After(now); next[i] = c.schedule.Next(next[i]) {
+				for next[i] = c.schedule.Next(next[i]); !next[i].IsZero() && !c.schedule.Next(next[i]).After(now); next[i] = c.schedule.Next(next[i]) {
 				}
 			}
 			timer.Reset(time.Until(earliest(next)))
@@ -440,7 +440,7 @@ func (s *scheduler) lead(ctx context.Context, token int64) error {
 func earliest(ts []time.Time) time.Time {
 	first := time.Now().Add(24 * time.Hour)
 	for _, t := range ts {
-		if t.Before(first) {
+		if !t.IsZero() && t.Before(first) {
 			first = t
 		}
 	}
