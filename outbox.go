@@ -314,7 +314,7 @@ func (p *outboxPoller) deliverBatch(ctx context.Context) (int, error) {
 		}
 		return len(events), err
 	}
-	p.countOutcomes(delivered, failed, attempts, events)
+	p.countOutcomes(delivered, failed, attempts, events, true)
 	if len(delivered) > 0 {
 		p.wakeHubs(delivered[len(delivered)-1])
 	}
@@ -471,12 +471,13 @@ func (p *outboxPoller) recordFailure(ctx context.Context, events []outboxEvent, 
 	if err := p.markFailed(ctx, p.db, ids, attempts, causes); err != nil {
 		return errors.Join(cause, err)
 	}
-	p.countOutcomes(nil, failed, attempts, events)
+	p.countOutcomes(nil, failed, attempts, events, false) // deliverDue logs the cause once
 	return cause
 }
 
-// countOutcomes counts a batch's delivered, retried and dead events.
-func (p *outboxPoller) countOutcomes(delivered []outboxEvent, failed map[int]error, attempts []int32, events []outboxEvent) {
+// countOutcomes counts a batch's delivered, retried and dead events and logs
+// each dead one (and each retried one, when logRetries).
+func (p *outboxPoller) countOutcomes(delivered []outboxEvent, failed map[int]error, attempts []int32, events []outboxEvent, logRetries bool) {
 	p.metrics.outboxDelivered.Add(float64(len(delivered)))
 	for _, e := range delivered {
 		p.metrics.outboxLatency.Observe(time.Since(e.CreatedAt).Seconds())
@@ -487,7 +488,7 @@ func (p *outboxPoller) countOutcomes(delivered []outboxEvent, failed map[int]err
 		if uint(attempts[i])+1 >= p.cfg.MaxAttempts {
 			p.metrics.outboxDead.Inc()
 			log.Error("event is dead: delivery given up after the maximum attempts")
-		} else {
+		} else if logRetries {
 			log.Warn("delivery failed; retrying after a backoff")
 		}
 	}

@@ -351,3 +351,28 @@ func TestOutboxHardStopKeepsTheBatchDurable(t *testing.T) {
 		t.Fatalf("%d of 10 events still pending untouched after a hard stop", pending)
 	}
 }
+
+// Any failure counts as an attempt, not only one event's: here the delivery's
+// connection dies mid-batch. The attempt is recorded in a transaction of its
+// own, and the event is delivered on the next one.
+func TestOutboxBrokenTransactionCountsAsAnAttempt(t *testing.T) {
+	f := newOutboxFixture(t)
+	var once sync.Once
+	f.alsoInTx = func(ctx context.Context, tx pgx.Tx, _ []outboxEvent) error {
+		var err error
+		once.Do(func() { _, err = tx.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`) })
+		return err
+	}
+	f.writeEvents(t, 1)
+	p := f.poller(t, "a")
+	if err := p.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	f.waitDelivered(t, 1, 5*time.Second)
+	var attempts int
+	var lastErr *string
+	f.db.QueryRow(context.Background(), `SELECT attempts, last_error FROM outbox_events`).Scan(&attempts, &lastErr)
+	if attempts != 1 || lastErr != nil {
+		t.Errorf("delivered after %d attempts (last_error %v), want 1 failed attempt recorded, then cleared", attempts, lastErr)
+	}
+}
