@@ -163,8 +163,8 @@ func (a *app) listenAPI(ctx context.Context, p *phaseRun) error {
 // need a working poller; then the boot ends.
 func (a *app) startOutboxPoller(ctx context.Context, p *phaseRun) error {
 	j, err := newJobs(jobDeps{db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket,
-		masterKey: a.masterKey, log: a.log.WithField("component", "jobs")},
-		a.cfg.Jobs, a.cfg.InstanceID, a.features, a.cfg.LogFormat, a.tracing.tracer, a.metrics)
+		masterKey: a.masterKey, log: a.log.WithField("component", "jobs"), outboxRetention: a.cfg.Outbox.Retention},
+		a.cfg.Jobs, a.cfg.InstanceID, a.features, a.tracing.tracer, a.metrics)
 	if err != nil {
 		return err
 	}
@@ -202,23 +202,16 @@ func (a *app) startJobsWorker(ctx context.Context, p *phaseRun) error {
 		a.health.RegisterSkipped("schedulerLeader", "KUMIKO_LEADER_ENABLED=false: this instance schedules no cron jobs")
 		return nil
 	}
-	sched := &scheduler{db: a.db, jobs: a.jobs, schedule: mustSchedule(a.cfg.Jobs.ReportCron),
+	sched := &scheduler{db: a.db, jobs: a.jobs, crons: cronsOf(a.features),
 		beat: a.heartbeats.RegisterHeartbeat("scheduler", ""), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
 		log: a.log.WithField("component", "scheduler")}
-	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, sched.lead, a.log, a.metrics,
+	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, sched.lead, sched.fence, a.log, a.metrics,
 		func(r any) { a.panicked("leader", r) })
 	if err := a.retry(ctx, p, "leaderElection", 3, el.Start); err != nil {
 		return err
 	}
 	a.lc.RegisterShutdownHook("leaderElection", el.Stop)
-	rdb := a.redis
-	a.health.RegisterReadinessCheck("schedulerLeader", false, func(ctx context.Context) checkResult {
-		leader, err := currentLeader(ctx, rdb)
-		if err != nil {
-			return failedResult(err, map[string]any{"isLeader": el.isLeader()})
-		}
-		return okResult(map[string]any{"isLeader": el.isLeader(), "leader": leader})
-	})
+	a.health.RegisterReadinessCheck("schedulerLeader", false, el.readinessCheck)
 	return nil
 }
 

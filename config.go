@@ -55,6 +55,8 @@ type outboxConfig struct {
 	MaxAttempts  uint          // failed deliveries before an event is dead
 	RetryBase    time.Duration // first delay after a failed delivery; doubles
 	RetryMax     time.Duration // cap on that delay
+	Retention    time.Duration // delivered events older than this are deleted (dead ones are kept)
+	PurgeCron    string        // when the leader enqueues the retention job
 }
 
 type jobsConfig struct {
@@ -145,7 +147,7 @@ func defaultConfig() config {
 		LogFormat: "text",
 		Storage:   storageConfig{Bucket: "kumiko-demo"},
 		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, Listen: true, MaxAttempts: 10,
-			RetryBase: time.Second, RetryMax: 5 * time.Minute},
+			RetryBase: time.Second, RetryMax: 5 * time.Minute, Retention: 7 * 24 * time.Hour, PurgeCron: "@hourly"},
 		HTTP: httpConfig{ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 15 * time.Second, IdleTimeout: 60 * time.Second,
 			RateLimit: 500, RateBurst: 1000, SlowMax: 60 * time.Second, DemoEndpoints: true},
 		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second,
@@ -208,6 +210,8 @@ func (c *config) settings() []configSetting {
 		{"outbox.maxAttempts", "KUMIKO_OUTBOX_MAX_ATTEMPTS", uintValue{p: &c.Outbox.MaxAttempts}},
 		{"outbox.retryBaseSec", "KUMIKO_OUTBOX_RETRY_BASE", durationValue{p: &c.Outbox.RetryBase}},
 		{"outbox.retryMaxSec", "KUMIKO_OUTBOX_RETRY_MAX", durationValue{p: &c.Outbox.RetryMax}},
+		{"outbox.retentionSec", "KUMIKO_OUTBOX_RETENTION", durationValue{p: &c.Outbox.Retention}},
+		{"outbox.purgeCron", "KUMIKO_OUTBOX_PURGE_CRON", textValue{p: &c.Outbox.PurgeCron}},
 		{"jobs.workers", "KUMIKO_JOBS_WORKERS", uintValue{p: &c.Jobs.Workers}},
 		{"jobs.pollIntervalSec", "KUMIKO_JOBS_POLL_INTERVAL", durationValue{p: &c.Jobs.PollInterval}},
 		{"jobs.timeoutSec", "KUMIKO_JOBS_TIMEOUT", durationValue{p: &c.Jobs.Timeout}},

@@ -51,6 +51,11 @@ func (a *app) registerFeatures() []feature {
 			publishes: []string{eventStateChanged, eventInstanceStateChanged},
 		},
 		{
+			name:  "outboxRetention",
+			jobs:  []string{jobPurgeOutbox},
+			crons: []cronSchedule{{job: jobPurgeOutbox, spec: a.cfg.Outbox.PurgeCron}},
+		},
+		{
 			name:          "orders",
 			publishes:     []string{eventOrderCreated},
 			jobs:          []string{jobIndexOrder, jobWriteReceipt, jobReport, jobSleep},

@@ -29,6 +29,7 @@ const (
 	jobWriteReceipt = "writeReceipt" // order.created → a sealed receipt object in S3
 	jobReport       = "report"       // cron (leader only) or manual → a report object in S3
 	jobSleep        = "sleep"        // manual: takes ms milliseconds, to watch a job survive a drain or a crash
+	jobPurgeOutbox  = "purgeOutbox"  // cron (leader only) or manual → delivered outbox events past the retention deleted
 )
 
 type indexOrderArgs struct {
@@ -52,6 +53,19 @@ type reportArgs struct {
 }
 
 func (reportArgs) Kind() string { return jobReport }
+
+// purgeOutboxArgs is one run of the outbox retention; unique per tick like the report.
+type purgeOutboxArgs struct {
+	ScheduledAt  time.Time `json:"scheduledAt" river:"unique"`
+	FencingToken int64     `json:"fencingToken,omitempty"`
+	Manual       bool      `json:"manual,omitempty"`
+}
+
+func (purgeOutboxArgs) Kind() string { return jobPurgeOutbox }
+
+func (purgeOutboxArgs) InsertOpts() river.InsertOpts {
+	return river.InsertOpts{UniqueOpts: river.UniqueOpts{ByArgs: true}}
+}
 
 type sleepArgs struct {
 	Ms int `json:"ms"`
@@ -80,16 +94,19 @@ type jobDeps struct {
 	bucket    string
 	masterKey *masterKey
 	log       *logrus.Entry
+	// outboxRetention is how long delivered outbox events are kept.
+	outboxRetention time.Duration
 }
 
 // newJobs creates the River client without starting it: the outbox poller
 // (phase 13) inserts jobs before the worker starts (phase 14).
-func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, logFormat string, tracer trace.Tracer, m *metrics) (*jobs, error) {
+func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, tracer trace.Tracer, m *metrics) (*jobs, error) {
 	workers := river.NewWorkers()
 	river.AddWorker(workers, river.WorkFunc(d.indexOrder))
 	river.AddWorker(workers, river.WorkFunc(d.writeReceipt))
 	river.AddWorker(workers, river.WorkFunc(d.writeReport))
 	river.AddWorker(workers, river.WorkFunc(sleepJob))
+	river.AddWorker(workers, river.WorkFunc(d.purgeOutbox))
 	client, err := river.NewClient(riverpgxv5.New(d.db), &river.Config{
 		ID:                   instanceID,
 		Queues:               map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: int(cfg.Workers)}},
@@ -97,7 +114,7 @@ func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, l
 		FetchPollInterval:    cfg.PollInterval,
 		JobTimeout:           cfg.Timeout,
 		RescueStuckJobsAfter: cfg.RescueAfter,
-		Logger:               riverLogger(d.log, logFormat),
+		Logger:               riverLogger(d.log),
 		Middleware:           []rivertype.Middleware{traceAndCountJobs(tracer, m)},
 	})
 	if err != nil {
@@ -112,14 +129,56 @@ func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, l
 	return &jobs{client: client, subscribers: subscribers, tracer: tracer, log: d.log}, nil
 }
 
-// riverLogger sends River's own warnings and errors to the process log's
-// output; River logs with slog.
-func riverLogger(log *logrus.Entry, format string) *slog.Logger {
-	opts := &slog.HandlerOptions{Level: slog.LevelWarn}
-	if format == "json" {
-		return slog.New(slog.NewJSONHandler(log.Logger.Out, opts)).With("component", "river")
+// riverLogger routes River's own warnings and errors (it logs with slog)
+// through the process logger, so they get its format, its instance field and
+// its secret scrubbing, like every other line.
+func riverLogger(log *logrus.Entry) *slog.Logger {
+	return slog.New(logrusHandler{log: log.WithField("component", "river"), level: slog.LevelWarn})
+}
+
+// logrusHandler is a slog.Handler writing to a logrus entry.
+type logrusHandler struct {
+	log   *logrus.Entry
+	level slog.Level
+	group string // prefix of attribute keys, from WithGroup
+}
+
+func (h logrusHandler) Enabled(_ context.Context, l slog.Level) bool { return l >= h.level }
+
+func (h logrusHandler) Handle(_ context.Context, r slog.Record) error {
+	fields := logrus.Fields{}
+	r.Attrs(func(a slog.Attr) bool {
+		fields[h.group+a.Key] = a.Value.Resolve().Any()
+		return true
+	})
+	e := h.log.WithFields(fields)
+	switch {
+	case r.Level >= slog.LevelError:
+		e.Error(r.Message)
+	case r.Level >= slog.LevelWarn:
+		e.Warn(r.Message)
+	case r.Level >= slog.LevelInfo:
+		e.Info(r.Message)
+	default:
+		e.Debug(r.Message)
 	}
-	return slog.New(slog.NewTextHandler(log.Logger.Out, opts)).With("component", "river")
+	return nil
+}
+
+func (h logrusHandler) WithAttrs(attrs []slog.Attr) slog.Handler {
+	fields := logrus.Fields{}
+	for _, a := range attrs {
+		fields[h.group+a.Key] = a.Value.Resolve().Any()
+	}
+	h.log = h.log.WithFields(fields)
+	return h
+}
+
+func (h logrusHandler) WithGroup(name string) slog.Handler {
+	if name != "" {
+		h.group += name + "."
+	}
+	return h
 }
 
 // insertForEvents inserts the jobs the delivered events trigger, in the
@@ -202,6 +261,8 @@ func handleRunJob(jobsNow func() *jobs) echo.HandlerFunc {
 		switch c.Param("name") {
 		case jobReport:
 			args = reportArgs{ScheduledAt: time.Now().UTC(), Manual: true}
+		case jobPurgeOutbox:
+			args = purgeOutboxArgs{ScheduledAt: time.Now().UTC(), Manual: true}
 		case jobSleep:
 			ms, err := strconv.Atoi(c.QueryParam("ms"))
 			if err != nil || ms < 0 || ms > int(maxSlowRequest.Milliseconds()) {
@@ -209,7 +270,7 @@ func handleRunJob(jobsNow func() *jobs) echo.HandlerFunc {
 			}
 			args = sleepArgs{Ms: ms}
 		default:
-			return apiError(http.StatusNotFound, "unknown_job", "jobs that can be run by hand: "+jobReport+", "+jobSleep)
+			return apiError(http.StatusNotFound, "unknown_job", "jobs that can be run by hand: "+jobReport+", "+jobPurgeOutbox+", "+jobSleep)
 		}
 		res, err := j.client.Insert(c.Request().Context(), args, nil)
 		if err != nil {
@@ -280,6 +341,34 @@ func (d jobDeps) writeReport(ctx context.Context, job *river.Job[reportArgs]) er
 	if err != nil {
 		return fmt.Errorf("writing %s: %w", name, err)
 	}
+	return nil
+}
+
+// outboxPurgeBatch bounds one DELETE of the retention job: each batch is its
+// own short transaction, so a large backlog never locks the table for long.
+const outboxPurgeBatch = 1000
+
+// purgeOutbox deletes delivered outbox events older than the retention, in
+// batches. Pending events are never touched (delivered_at is null); dead
+// events are kept too, for an operator to look at (and delete by hand).
+func (d jobDeps) purgeOutbox(ctx context.Context, job *river.Job[purgeOutboxArgs]) error {
+	var deleted int64
+	for {
+		// Only delivered events have a delivery_seq, and its unique index
+		// yields them oldest first: each batch reads a short prefix of it.
+		tag, err := d.db.Exec(ctx, `DELETE FROM outbox_events WHERE id IN (
+			SELECT id FROM outbox_events
+			WHERE delivery_seq IS NOT NULL AND delivered_at < now() - make_interval(secs => $1) AND dead_at IS NULL
+			ORDER BY delivery_seq LIMIT $2 FOR UPDATE SKIP LOCKED)`, d.outboxRetention.Seconds(), outboxPurgeBatch)
+		if err != nil {
+			return fmt.Errorf("deleting delivered outbox events older than %s (%d deleted so far): %w", d.outboxRetention, deleted, err)
+		}
+		deleted += tag.RowsAffected()
+		if tag.RowsAffected() < outboxPurgeBatch {
+			break
+		}
+	}
+	d.log.WithFields(logrus.Fields{"job": jobPurgeOutbox, "deleted": deleted, "retention": d.outboxRetention.String()}).Info("outbox purged")
 	return nil
 }
 

@@ -5,10 +5,12 @@ import (
 	"fmt"
 	"maps"
 	"net/http"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -163,7 +165,8 @@ func TestProcessSplitBrainIsFenced(t *testing.T) {
 	a.signal(syscall.SIGCONT)
 
 	stale := a.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "stopped leading"})
-	if r := stale["reason"]; r != "renew deadline passed" && r != "lock lost" {
+	// "fenced": it woke, tried a tick with its old token and the database refused it.
+	if r := stale["reason"]; r != "renew deadline passed" && r != "lock lost" && r != "fenced" {
 		t.Errorf("the stale leader stopped for %v", r)
 	}
 	time.Sleep(2 * time.Second) // a would be scheduling now, if it still believed it led
@@ -176,6 +179,86 @@ func TestProcessSplitBrainIsFenced(t *testing.T) {
 	}
 	got := assertNoDuplicateTicks(t, pool)
 	t.Logf("split brain: %d ticks, none duplicated", len(got))
+}
+
+// 8. Cron timing: "@every 2s" with a 1s renew interval (and heartbeats every
+// 500ms, which used to push the next tick back at every beat) fires every 2s.
+func TestProcessCronEveryFiresOnTime(t *testing.T) {
+	env := leaderEnv(t)
+	env["KUMIKO_REPORT_CRON"] = "@every 2s"
+	env["KUMIKO_LEADER_LOCK_TTL"] = "3s"
+	env["KUMIKO_LEADER_RENEW_INTERVAL"] = "1s"
+	env["KUMIKO_HEARTBEAT_INTERVAL"] = "500ms"
+	env["KUMIKO_HEARTBEAT_TTL"] = "2s"
+	a := startAs(t, env, "a")
+	led := becameLeader(a, 10*time.Second)
+	pool := sharedPool(t, env)
+
+	// 5 ticks (the take-over tick and four more) take about 8s; the bound
+	// only keeps a broken scheduler from hanging the test.
+	waitFor(t, 30*time.Second, "five distinct ticks", func() bool { return len(ticks(t, pool)) >= 5 })
+	got := assertNoDuplicateTicks(t, pool)
+	var at []time.Time
+	for s := range got {
+		ts, err := time.Parse(time.RFC3339Nano, s)
+		if err != nil {
+			t.Fatalf("tick %q: %v", s, err)
+		}
+		at = append(at, ts)
+	}
+	slices.SortFunc(at, func(x, y time.Time) int { return x.Compare(y) })
+	for i := 1; i < len(at); i++ {
+		if gap := at[i].Sub(at[i-1]); gap != 2*time.Second {
+			t.Errorf("ticks %s and %s are %s apart, want 2s: %v", at[i-1], at[i], gap, at)
+		}
+	}
+	var lastCreated time.Time
+	pool.QueryRow(context.Background(), `SELECT max(created_at) FROM river_job WHERE kind = 'report'`).Scan(&lastCreated)
+	t.Logf("%d ticks in %s after becoming leader", len(at), lastCreated.Sub(led).Round(time.Millisecond))
+}
+
+// 9. FLUSHALL: Redis forgets the fencing counter while the database keeps
+// the fence. The leader says "fenced" (log, metric, readiness), acquires a
+// token above the fence, and ticks resume within 2 × the lock TTL.
+func TestProcessFlushallFencesAndTicksResume(t *testing.T) {
+	env := leaderEnv(t)
+	env["KUMIKO_LEADER_LOCK_TTL"] = "2s"
+	env["KUMIKO_LEADER_RENEW_INTERVAL"] = "500ms"
+	env["KUMIKO_HEARTBEAT_TTL"] = "2s"
+	a := startAs(t, env, "a")
+	becameLeader(a, 10*time.Second)
+	ops, _ := a.waitReady()
+	pool := sharedPool(t, env)
+	waitFor(t, 10*time.Second, "two ticks", func() bool { return len(ticks(t, pool)) >= 2 })
+
+	rdb := redisClient(t, env["REDIS_URL"])
+	var flushed time.Time
+	if err := pool.QueryRow(context.Background(), `SELECT now()`).Scan(&flushed); err != nil {
+		t.Fatal(err)
+	}
+	if err := rdb.FlushAll(context.Background()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	a.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "fenced"})
+	var resumed time.Time
+	waitFor(t, 4*time.Second, "a tick enqueued after FLUSHALL (2 × lock TTL)", func() bool {
+		pool.QueryRow(context.Background(), `SELECT coalesce(min(created_at), 'epoch') FROM river_job
+			WHERE kind = 'report' AND created_at > $1 AND (args->>'scheduledAt')::timestamptz > $1`, flushed).Scan(&resumed)
+		return resumed.After(flushed)
+	})
+	t.Logf("FLUSHALL → next tick enqueued: %s", resumed.Sub(flushed).Round(time.Millisecond))
+	if v, err := scrapeMetric(ops, "kumiko_leader_fenced_total"); err != nil || v < 1 {
+		t.Errorf("kumiko_leader_fenced_total = %v (%v), want ≥ 1", v, err)
+	}
+	code, _, body, err := get(t, http.DefaultClient, ops+"/health/ready")
+	if err != nil {
+		t.Fatal(err)
+	}
+	check, _ := body["checks"].(map[string]any)["schedulerLeader"].(map[string]any)
+	if n, _ := check["fencedTotal"].(float64); n < 1 || check["lastFencedAt"] == nil {
+		t.Errorf("readiness %d: schedulerLeader check %v does not show the fencing", code, check)
+	}
+	assertNoDuplicateTicks(t, pool)
 }
 
 func currentLeaderFromPool(t *testing.T, env map[string]string) (string, error) {
@@ -317,4 +400,67 @@ func adminGet(t *testing.T, ops, path string) (int, http.Header, map[string]any)
 	body := map[string]any{}
 	jsonDecode(resp.Body, &body)
 	return resp.StatusCode, resp.Header, body
+}
+
+// 10. Outbox retention: the leader schedules purgeOutbox; a run deletes the
+// delivered events older than KUMIKO_OUTBOX_RETENTION, in batches, and keeps
+// recent delivered, pending and dead events. Two instances, one tick each.
+func TestProcessOutboxRetention(t *testing.T) {
+	env := leaderEnv(t)
+	env["KUMIKO_OUTBOX_RETENTION"] = "1h"
+	env["KUMIKO_OUTBOX_PURGE_CRON"] = "@every 1s"
+	a, b := startAs(t, env, "a"), startAs(t, env, "b")
+	a.waitReady()
+	b.waitReady()
+	pool := sharedPool(t, env)
+	ctx := context.Background()
+
+	var inserted time.Time
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		// 2,500 old delivered events: more than two purge batches.
+		_, err := tx.Exec(ctx, `INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, created_at, delivered_at, delivery_seq)
+			SELECT 'test', 'old', 'test.old', '{}', now() - interval '3 hours', now() - interval '2 hours', nextval('outbox_delivery_seq')
+			FROM generate_series(1, 2500)`)
+		if err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, `INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, created_at, delivered_at, delivery_seq, next_attempt_at, dead_at, attempts, last_error)
+			VALUES ('test', 'recent', 'test.recent', '{}', now() - interval '20 minutes', now() - interval '10 minutes', nextval('outbox_delivery_seq'), now(), NULL, 0, NULL),
+			       ('test', 'pending', 'test.pending', '{}', now() - interval '3 hours', NULL, NULL, now() + interval '1 day', NULL, 3, 'retrying'),
+			       ('test', 'dead', 'test.dead', '{}', now() - interval '3 hours', NULL, NULL, now(), now() - interval '2 hours', 10, 'gave up')`)
+		if err != nil {
+			return err
+		}
+		return tx.QueryRow(ctx, `SELECT now()`).Scan(&inserted)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 15*time.Second, "a purge run after the inserts", func() bool {
+		var done int
+		pool.QueryRow(ctx, `SELECT count(*) FROM river_job WHERE kind = 'purgeOutbox' AND state = 'completed' AND created_at > $1`, inserted).Scan(&done)
+		return done > 0
+	})
+	left := map[string]int{}
+	rows, err := pool.Query(ctx, `SELECT aggregate_id, count(*) FROM outbox_events WHERE aggregate_type = 'test' GROUP BY 1`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var id string
+		var n int
+		rows.Scan(&id, &n)
+		left[id] = n
+	}
+	if left["old"] != 0 || left["recent"] != 1 || left["pending"] != 1 || left["dead"] != 1 {
+		t.Errorf("after the purge: %v; want no old delivered event, the recent, pending and dead ones kept", left)
+	}
+	// Leader only: each tick enqueued once, with a fencing token, while two instances run.
+	var dup, unfenced int
+	pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE n > 1), count(*) FILTER (WHERE tok = 0) FROM (
+		SELECT args->>'scheduledAt', count(*) AS n, min(coalesce((args->>'fencingToken')::bigint, 0)) AS tok
+		FROM river_job WHERE kind = 'purgeOutbox' GROUP BY 1) t`).Scan(&dup, &unfenced)
+	if dup != 0 || unfenced != 0 {
+		t.Errorf("%d purge ticks enqueued more than once, %d without a leader's fencing token", dup, unfenced)
+	}
 }

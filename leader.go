@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	"github.com/riverqueue/river"
 	"github.com/robfig/cron/v3"
 	"github.com/sirupsen/logrus"
 )
@@ -30,6 +31,21 @@ if redis.call("GET", KEYS[1]) == ARGV[1] then
 end
 return 0`)
 
+// drawScript draws a fencing token that is larger than the fence the
+// database holds (ARGV[1]): a Redis that lost its data (FLUSHALL, a restart
+// without persistence, a failover to a replica that missed the last INCR)
+// would otherwise hand out tokens the fence refuses forever. It returns the
+// token and 1 when the counter had to be raised.
+var drawScript = redis.NewScript(`
+local floor = tonumber(ARGV[1])
+local cur = tonumber(redis.call("GET", KEYS[1]) or "0")
+local raised = 0
+if cur < floor then
+	redis.call("SET", KEYS[1], floor)
+	raised = 1
+end
+return {redis.call("INCR", KEYS[1]), raised}`)
+
 // releaseScript deletes the lock only if this instance still holds it.
 var releaseScript = redis.NewScript(`
 if redis.call("GET", KEYS[1]) == ARGV[1] then
@@ -40,25 +56,31 @@ return 0`)
 // elector keeps one leader among all instances with a Redis TTL lock. While
 // this instance leads, lead runs with a context that ends the moment it stops
 // leading — lost lock, missed renew deadline or shutdown. Nothing else can ask
-// "am I leader": exclusive work lives inside lead.
+// "am I leader": exclusive work lives inside lead. When lead returns errFenced
+// (the database knows a newer token) the elector steps down, releases the
+// lock and acquires again with a token drawn above the fence.
 type elector struct {
 	rdb        *redis.Client
 	instanceID string
 	ttl, renew time.Duration
-	lead       func(ctx context.Context, token int64)
+	lead       func(ctx context.Context, token int64) error
+	fence      func(ctx context.Context) (int64, error) // the token the database holds now
 	log        *logrus.Entry
 	metrics    *metrics
 	onPanic    func(any)
 
-	mu       sync.Mutex
-	leading  bool
-	stopping chan struct{}
-	done     chan struct{}
+	mu          sync.Mutex
+	leading     bool
+	fenced      bool      // fenced and not yet leading again with a valid token
+	lastFenced  time.Time // for the readiness body
+	fencedTotal int
+	stopping    chan struct{}
+	done        chan struct{}
 }
 
-func newElector(rdb *redis.Client, instanceID string, ttl, renew time.Duration, lead func(context.Context, int64),
-	log *logrus.Logger, m *metrics, onPanic func(any)) *elector {
-	return &elector{rdb: rdb, instanceID: instanceID, ttl: ttl, renew: renew, lead: lead,
+func newElector(rdb *redis.Client, instanceID string, ttl, renew time.Duration, lead func(context.Context, int64) error,
+	fence func(context.Context) (int64, error), log *logrus.Logger, m *metrics, onPanic func(any)) *elector {
+	return &elector{rdb: rdb, instanceID: instanceID, ttl: ttl, renew: renew, lead: lead, fence: fence,
 		log: log.WithField("component", "leader"), metrics: m, onPanic: onPanic}
 }
 
@@ -96,13 +118,6 @@ func (e *elector) Stop(ctx context.Context) error {
 	}
 }
 
-// isLeader is for the readiness body and metrics only.
-func (e *elector) isLeader() bool {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.leading
-}
-
 func (e *elector) run() {
 	defer close(e.done)
 	defer func() {
@@ -134,20 +149,56 @@ func (e *elector) run() {
 	}
 }
 
-// acquire tries to take the lock. The fencing token is drawn first, so every
-// acquisition carries a larger token than any before it.
+// acquire tries to take the lock. The fencing token is drawn first, above
+// the fence the database holds, so every acquisition carries a larger token
+// than any leader before it, even after Redis lost its counter.
 func (e *elector) acquire(ctx context.Context) (token int64, value string, ok bool) {
-	token, err := e.rdb.Incr(ctx, leaderTokenKey).Result()
+	floor, err := e.fence(ctx)
 	if err != nil {
+		// Without the fence a token may be stale; the scheduler cannot work
+		// without the database anyway.
+		e.log.WithError(err).Warn("reading the fencing token from the database")
+		return 0, "", false
+	}
+	res, err := drawScript.Run(ctx, e.rdb, []string{leaderTokenKey}, floor).Int64Slice()
+	if err != nil || len(res) != 2 {
 		e.log.WithError(err).Warn("drawing a fencing token")
 		return 0, "", false
 	}
+	token = res[0]
+	if res[1] == 1 {
+		e.markFenced(floor, "the Redis token counter was behind the database fence (Redis lost its data): raised it")
+	}
 	value = e.instanceID + ":" + strconv.FormatInt(token, 10)
 	ok, err = e.rdb.SetNX(ctx, leaderKey, value, e.ttl).Result()
-	if err != nil {
+	switch {
+	case err != nil:
 		e.log.WithError(err).Warn("trying the leader lock")
+	case !ok:
+		e.setFenced(false) // another instance leads; nothing to fix here
 	}
 	return token, value, ok
+}
+
+// markFenced records that this instance met a fence newer than its token:
+// one log line, the metrics and the readiness body say so.
+func (e *elector) markFenced(fence int64, reason string) {
+	e.mu.Lock()
+	e.lastFenced = time.Now()
+	e.fencedTotal++
+	e.mu.Unlock()
+	e.setFenced(true)
+	e.metrics.leaderFencedTotal.Inc()
+	e.log.WithFields(logrus.Fields{"event": "fenced", "fence": fence, "reason": reason}).Warn("fenced")
+}
+
+// setFenced sets kumiko_leader_fenced: 1 from a fencing until this instance
+// leads with a token the fence accepts, or sees another instance lead.
+func (e *elector) setFenced(fenced bool) {
+	e.mu.Lock()
+	e.fenced = fenced
+	e.mu.Unlock()
+	e.metrics.leaderFenced.Set(boolGauge(fenced))
 }
 
 // serve leads until the lock is lost, the renew deadline passes or the
@@ -161,6 +212,7 @@ func (e *elector) serve(ctx context.Context, token int64, value string) {
 	led := make(chan struct{})
 	e.setLeading(true)
 	log.Info("became leader")
+	var leadErr error
 	go func() {
 		defer close(led)
 		defer func() {
@@ -168,7 +220,7 @@ func (e *elector) serve(ctx context.Context, token int64, value string) {
 				e.onPanic(r)
 			}
 		}()
-		e.lead(leadCtx, token)
+		leadErr = e.lead(leadCtx, token)
 	}()
 
 	deadline := time.Now().Add(e.ttl - e.renew)
@@ -179,6 +231,8 @@ func (e *elector) serve(ctx context.Context, token int64, value string) {
 		select {
 		case <-e.stopping:
 			reason = "shutdown"
+		case <-led: // lead gave up on its own: only a fence makes it
+			reason = "fenced"
 		case <-time.After(time.Until(deadline)):
 			reason = "renew deadline passed"
 		case <-renew.C:
@@ -203,7 +257,12 @@ func (e *elector) serve(ctx context.Context, token int64, value string) {
 	<-led
 	e.setLeading(false)
 	log.WithField("reason", reason).Info("stopped leading")
-	if reason == "shutdown" {
+	if fe := (*fencedError)(nil); errors.As(leadErr, &fe) {
+		e.markFenced(fe.fence, "a newer leader's token is in the database: stepped down to acquire a new one")
+	}
+	// After a shutdown or a fence the lock is released at once, so the next
+	// leader (this instance again, after a fence) need not wait for the TTL.
+	if reason == "shutdown" || reason == "fenced" {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.renew)
 		defer cancel()
 		if n, err := releaseScript.Run(rctx, e.rdb, []string{leaderKey}, value).Int(); err == nil && n == 1 {
@@ -223,6 +282,23 @@ func (e *elector) setLeading(leading bool) {
 	}
 }
 
+// readinessCheck is the schedulerLeader check: who leads, whether this
+// instance does, and whether it was fenced (and when last).
+func (e *elector) readinessCheck(ctx context.Context) checkResult {
+	e.mu.Lock()
+	detail := map[string]any{"isLeader": e.leading, "fenced": e.fenced, "fencedTotal": e.fencedTotal}
+	if !e.lastFenced.IsZero() {
+		detail["lastFencedAt"] = e.lastFenced.UTC().Format(time.RFC3339)
+	}
+	e.mu.Unlock()
+	leader, err := currentLeader(ctx, e.rdb)
+	if err != nil {
+		return failedResult(err, detail)
+	}
+	detail["leader"] = leader
+	return okResult(detail)
+}
+
 // currentLeader reads who holds the lock (for the readiness body and /admin/workers).
 func currentLeader(ctx context.Context, rdb *redis.Client) (string, error) {
 	v, err := rdb.Get(ctx, leaderKey).Result()
@@ -240,51 +316,152 @@ func currentLeader(ctx context.Context, rdb *redis.Client) (string, error) {
 // descriptors such as @hourly or @every 10s.
 var cronParser = cron.NewParser(cron.SecondOptional | cron.Minute | cron.Hour | cron.Dom | cron.Month | cron.Dow | cron.Descriptor)
 
-// scheduler enqueues the report at every tick of its schedule while this
-// instance leads. Each tick is inserted with a unique key (the tick's time)
-// in a transaction that first checks the fencing token against the database,
-// so neither two leaders nor a stale one can enqueue a tick twice.
+// scheduler enqueues the cron jobs of the feature graph (the report, the
+// outbox purge) at every tick of their schedules while this instance leads.
+// Each tick is inserted with a unique key (the tick's time) in a transaction
+// that first checks the fencing token against the database, so neither two
+// leaders nor a stale one can enqueue a tick twice.
 type scheduler struct {
-	db       *pgxpool.Pool
-	jobs     *jobs
-	schedule cron.Schedule
-	beat     *heartbeat
-	beatInt  time.Duration
-	log      *logrus.Entry
+	db      *pgxpool.Pool
+	jobs    *jobs
+	crons   []scheduledJob
+	beat    *heartbeat
+	beatInt time.Duration
+	log     *logrus.Entry
 }
 
-// errFenced means a newer leader exists: this one must not act.
-var errFenced = errors.New("fenced: a newer leader holds a larger token")
+// scheduledJob is one cron schedule: a job kind and when it runs.
+type scheduledJob struct {
+	job      string
+	schedule cron.Schedule
+}
 
-// lead is elector.lead. Policy for missed ticks: on taking over, the newest
-// tick of the last interval is enqueued (a no-op when the previous leader
-// did); older missed ticks are not — a report is about now, not a backlog.
-func (s *scheduler) lead(ctx context.Context, token int64) {
+// cronsOf collects the cron schedules every feature declared; bootValidation
+// has already parsed each spec.
+func cronsOf(features []feature) []scheduledJob {
+	var crons []scheduledJob
+	for _, f := range features {
+		for _, c := range f.crons {
+			crons = append(crons, scheduledJob{job: c.job, schedule: alignEvery(mustSchedule(c.spec))})
+		}
+	}
+	return crons
+}
+
+// cronArgs is the job one tick of a schedule inserts.
+func cronArgs(job string, tick time.Time, token int64) (river.JobArgs, error) {
+	switch job {
+	case jobReport:
+		return reportArgs{ScheduledAt: tick, FencingToken: token}, nil
+	case jobPurgeOutbox:
+		return purgeOutboxArgs{ScheduledAt: tick, FencingToken: token}, nil
+	}
+	return nil, fmt.Errorf("job %s cannot be scheduled by cron", job)
+}
+
+// fencedError means a newer leader's token is in the database: this leader
+// must not act, and steps down to acquire a new token.
+type fencedError struct{ token, fence int64 }
+
+func (e *fencedError) Error() string {
+	return fmt.Sprintf("fenced: token %d is older than the fence %d of a newer leader", e.token, e.fence)
+}
+
+// fence is elector.fence: the newest token any leader raised the fence to.
+func (s *scheduler) fence(ctx context.Context) (int64, error) {
+	var token int64
+	if err := s.db.QueryRow(ctx, `SELECT token FROM scheduler_fence`).Scan(&token); err != nil {
+		return 0, fmt.Errorf("reading scheduler_fence: %w", err)
+	}
+	return token, nil
+}
+
+// lead is elector.lead. Every schedule keeps its own next tick, computed
+// from its last tick, never from "now" at some unrelated wake-up, so neither
+// a heartbeat, a renew interval nor another schedule can postpone it; one
+// timer is set to the earliest of them. Policy for missed ticks: on taking
+// over, the newest tick of the last interval is enqueued (a no-op when the
+// previous leader did); older missed ticks are not — a report is about now,
+// not a backlog. A tick refused by the fence ends lead with a *fencedError:
+// the elector steps down and acquires a valid token.
+func (s *scheduler) lead(ctx context.Context, token int64) error {
 	log := s.log.WithField("fencing_token", token)
 	// Raise the fence first: from now on a stale leader's inserts are refused.
-	if _, err := s.db.Exec(ctx, `UPDATE scheduler_fence SET token = $1 WHERE token < $1`, token); err != nil && ctx.Err() == nil {
-		log.WithError(err).Warn("raising the fencing token")
+	if err := raiseFence(ctx, s.db, token); err != nil {
+		if fe := (*fencedError)(nil); errors.As(err, &fe) {
+			return err
+		}
+		if ctx.Err() == nil {
+			log.WithError(err).Warn("raising the fencing token")
+		}
 	}
 	beat := time.NewTicker(s.beatInt)
 	defer beat.Stop()
 	s.heartbeat(ctx)
-	if prev, ok := previousTick(s.schedule, time.Now()); ok {
-		s.enqueue(ctx, log, token, prev)
+	now := time.Now()
+	next := make([]time.Time, len(s.crons))
+	for i, c := range s.crons {
+		if prev, ok := previousTick(c.schedule, now); ok {
+			if err := s.enqueue(ctx, log, token, c.job, prev); err != nil {
+				return err
+			}
+		}
+		next[i] = c.schedule.Next(now)
 	}
+	timer := time.NewTimer(time.Until(earliest(next)))
+	defer timer.Stop()
 	for {
-		next := s.schedule.Next(time.Now())
-		timer := time.NewTimer(time.Until(next))
 		select {
 		case <-ctx.Done():
-			timer.Stop()
-			return
+			return nil
 		case <-beat.C:
-			timer.Stop()
 			s.heartbeat(ctx)
 		case <-timer.C:
-			s.enqueue(ctx, log, token, next)
+			for i, c := range s.crons {
+				if next[i].IsZero() || next[i].After(time.Now()) {
+					continue // zero: a spec that never matches (robfig gives up after 5 years)
+				}
+				if err := s.enqueue(ctx, log, token, c.job, next[i]); err != nil {
+					return err
+				}
+				// Late (a paused process, a slow enqueue)? Skip to the newest
+				// due tick rather than fire a burst of stale ones.
+				now := time.Now()
+				for next[i] = c.schedule.Next(next[i]); !next[i].IsZero() && !c.schedule.Next(next[i]).After(now); next[i] = c.schedule.Next(next[i]) {
+				}
+			}
+			timer.Reset(time.Until(earliest(next)))
 		}
 	}
+}
+
+// earliest is the soonest of the schedules' next ticks (a day away if there
+// are none, which bootValidation does not forbid).
+func earliest(ts []time.Time) time.Time {
+	first := time.Now().Add(24 * time.Hour)
+	for _, t := range ts {
+		if !t.IsZero() && t.Before(first) {
+			first = t
+		}
+	}
+	return first
+}
+
+// raiseFence sets the fence to token unless a newer leader raised it
+// higher; then it returns a *fencedError.
+func raiseFence(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, token int64) error {
+	var fence int64
+	err := q.QueryRow(ctx, `WITH up AS (UPDATE scheduler_fence SET token = $1 WHERE token <= $1 RETURNING token)
+		SELECT coalesce((SELECT token FROM up), (SELECT token FROM scheduler_fence))`, token).Scan(&fence)
+	if err != nil {
+		return fmt.Errorf("raising the fence: %w", err)
+	}
+	if fence > token {
+		return &fencedError{token: token, fence: fence}
+	}
+	return nil
 }
 
 func (s *scheduler) heartbeat(ctx context.Context) {
@@ -293,28 +470,53 @@ func (s *scheduler) heartbeat(ctx context.Context) {
 	}
 }
 
-func (s *scheduler) enqueue(ctx context.Context, log *logrus.Entry, token int64, tick time.Time) {
+// enqueue inserts the report of one tick, in a transaction that first checks
+// the fencing token against the database. Only a fence is returned as an
+// error (the leader must step down); other failures are logged and the next
+// tick tries again.
+func (s *scheduler) enqueue(ctx context.Context, log *logrus.Entry, token int64, job string, tick time.Time) error {
 	tick = tick.UTC()
+	log = log.WithField("job", job)
 	err := pgx.BeginFunc(ctx, s.db, func(tx pgx.Tx) error {
-		tag, err := tx.Exec(ctx, `UPDATE scheduler_fence SET token = $1 WHERE token <= $1`, token)
+		if err := raiseFence(ctx, tx, token); err != nil {
+			return err
+		}
+		args, err := cronArgs(job, tick, token)
 		if err != nil {
 			return err
 		}
-		if tag.RowsAffected() == 0 {
-			return errFenced
-		}
-		res, err := s.jobs.client.InsertTx(ctx, tx, reportArgs{ScheduledAt: tick, FencingToken: token}, nil)
+		res, err := s.jobs.client.InsertTx(ctx, tx, args, nil)
 		if err == nil && res.UniqueSkippedAsDuplicate {
 			log.WithField("tick", tick).Debug("tick already enqueued")
 		}
 		return err
 	})
-	switch {
-	case errors.Is(err, errFenced):
-		log.WithField("tick", tick).Warn("refusing to enqueue: a newer leader exists")
-	case err != nil && ctx.Err() == nil:
-		log.WithField("tick", tick).WithError(err).Warn("enqueueing the report")
+	if fe := (*fencedError)(nil); errors.As(err, &fe) {
+		log.WithField("tick", tick).WithError(err).Warn("refusing to enqueue: a newer leader exists")
+		return err
 	}
+	if err != nil && ctx.Err() == nil {
+		log.WithField("tick", tick).WithError(err).Warn("enqueueing a cron job")
+	}
+	return nil
+}
+
+// alignEvery makes an "@every" schedule tick on multiples of its interval
+// (robfig counts it from whenever Next is asked), so every leader computes
+// the same tick times: the unique key (job, tick) then dedupes across a
+// take-over, and the take-over tick is a real tick. Other schedules are
+// already aligned to the clock.
+func alignEvery(s cron.Schedule) cron.Schedule {
+	if every, ok := s.(cron.ConstantDelaySchedule); ok && every.Delay > 0 {
+		return everySchedule(every.Delay)
+	}
+	return s
+}
+
+type everySchedule time.Duration
+
+func (e everySchedule) Next(t time.Time) time.Time {
+	return t.Truncate(time.Duration(e)).Add(time.Duration(e))
 }
 
 // previousTick is the newest tick at or before now, if it lies within one

@@ -98,12 +98,15 @@ type metrics struct {
 	outboxDelivered   prometheus.Counter
 	outboxFailed      prometheus.Counter
 	outboxDead        prometheus.Counter
+	outboxWakeFailed  prometheus.Counter
 	outboxLatency     prometheus.Histogram
 	sseStreams        prometheus.Gauge
 	sseDropped        prometheus.Counter
 	ordersCreated     *prometheus.CounterVec
 	leader            prometheus.Gauge
 	leaderTransitions prometheus.Counter
+	leaderFenced      prometheus.Gauge
+	leaderFencedTotal prometheus.Counter
 	jobs              *prometheus.CounterVec
 	jobDuration       *prometheus.HistogramVec
 }
@@ -166,6 +169,9 @@ func newMetrics() *metrics {
 		outboxDead: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kumiko_outbox_dead_total", Help: "Outbox events given up after the maximum attempts.",
 		}),
+		outboxWakeFailed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kumiko_outbox_wake_failed_total", Help: "Redis wake-ups of the SSE hubs that failed (delivery is unaffected; hubs poll Postgres).",
+		}),
 		outboxLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "kumiko_outbox_delivery_latency_seconds", Help: "From writing an event to its delivery.",
 			Buckets: []float64{.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 5, 30},
@@ -185,6 +191,12 @@ func newMetrics() *metrics {
 		leaderTransitions: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kumiko_leader_transitions_total", Help: "Times this instance became or stopped being leader.",
 		}),
+		leaderFenced: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kumiko_leader_fenced", Help: "1 while this instance is fenced: it met a newer fencing token and does not lead with a valid one yet.",
+		}),
+		leaderFencedTotal: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kumiko_leader_fenced_total", Help: "Times this instance met a fence: a stale token refused, or a token counter behind the fence raised.",
+		}),
 		jobs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kumiko_jobs_total", Help: "Jobs worked by this instance, by kind and result.",
 		}, []string{"kind", "result"}),
@@ -198,10 +210,49 @@ func newMetrics() *metrics {
 		m.state, m.stateChanges, m.phaseDuration, m.startupDuration, m.shutdownStep, m.shutdownForced,
 		m.httpInFlight, m.httpRequests, m.httpDuration, m.readinessOK, m.readinessProbes, m.panics,
 		m.connectAttempts, m.heartbeatWritten,
-		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxLatency,
-		m.sseStreams, m.sseDropped, m.ordersCreated, m.leader, m.leaderTransitions, m.jobs, m.jobDuration,
+		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxWakeFailed, m.outboxLatency,
+		m.sseStreams, m.sseDropped, m.ordersCreated, m.leader, m.leaderTransitions, m.leaderFenced, m.leaderFencedTotal, m.jobs, m.jobDuration,
 	)
+	m.initKnownLabels()
 	return m
+}
+
+// Label values known before anything happens. A labelled counter has no
+// series until its first increment, so increase(...) cannot see that first
+// one (increase needs two samples): every series listed here starts at 0.
+var (
+	// panicComponents: the onPanic callbacks (app.go), the event bus and the
+	// two HTTP servers' recover middleware.
+	panicComponents  = []string{"api", "ops", "sse", "outboxPoller", "leader", "events"}
+	connectTargets   = []string{"postgres", "redis", "outboxPoller", "jobsWorker", "leaderElection"}
+	heartbeatWorkers = []string{"outbox", "jobs", "scheduler"}
+	orderResults     = []string{"created", "replayed", "conflict"}
+	jobKinds         = []string{jobIndexOrder, jobWriteReceipt, jobReport, jobSleep}
+)
+
+func (m *metrics) initKnownLabels() {
+	for _, c := range panicComponents {
+		m.panics.WithLabelValues(c)
+	}
+	for from := range stateNames {
+		for to := from + 1; to < len(stateNames); to++ { // transitions only go forward
+			m.stateChanges.WithLabelValues(stateNames[from], stateNames[to])
+		}
+	}
+	for _, r := range []string{"ok", "failed"} {
+		for _, t := range connectTargets {
+			m.connectAttempts.WithLabelValues(t, r)
+		}
+		for _, w := range heartbeatWorkers {
+			m.heartbeatWritten.WithLabelValues(w, r)
+		}
+		for _, k := range jobKinds {
+			m.jobs.WithLabelValues(k, r)
+		}
+	}
+	for _, r := range orderResults {
+		m.ordersCreated.WithLabelValues(r)
+	}
 }
 
 func (m *metrics) setState(s State) {

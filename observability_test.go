@@ -289,3 +289,65 @@ func TestAlertRulesUseRealMetrics(t *testing.T) {
 		t.Fatalf("%d rules", n)
 	}
 }
+
+// 4. Right after boot, /metrics already has every labelled counter whose
+// labels are known at 0, so increase(...) alerts see the first event.
+func TestProcessLabelledCountersStartAtZero(t *testing.T) {
+	p := startProc(t, fastEnv(t))
+	ops, _ := p.waitReady()
+	resp, err := http.Get(ops + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	text := string(raw)
+	want := []string{`kumiko_lifecycle_state_changes_total{from="ready",to="draining"} 0`,
+		`kumiko_orders_total{result="conflict"} 0`, `kumiko_jobs_total{kind="report",result="failed"} 0`,
+		`kumiko_worker_heartbeats_total{result="failed",worker="scheduler"} 0`}
+	for _, c := range panicComponents {
+		want = append(want, `kumiko_panics_total{component="`+c+`"} 0`)
+	}
+	for _, line := range want {
+		if !strings.Contains(text, line+"\n") {
+			t.Errorf("/metrics after boot lacks %s", line)
+		}
+	}
+	if t.Failed() {
+		t.Logf("/metrics:\n%s", text)
+	}
+}
+
+// 5. go-redis and River log through the process logger: structured, with the
+// component, and scrubbed of secrets; nothing raw reaches stderr.
+func TestProcessLibraryLogsAreStructured(t *testing.T) {
+	env := fastEnv(t)
+	redisServer := testRedis(t)
+	env["REDIS_URL"] = redisServer.URL
+	p := startProc(t, env)
+	p.waitReady()
+	redisServer.Stop() // go-redis logs its failed dials
+	p.waitLog(10*time.Second, map[string]any{"component": "redis", "level": "warning"})
+	p.signal(syscall.SIGTERM)
+	p.wait(15 * time.Second)
+	if strings.Contains(p.stderr.String(), "redis:") || strings.Contains(p.logText(), `"(not json)"`) {
+		t.Errorf("unstructured library output:\nstderr: %s", p.stderr.String())
+	}
+}
+
+func TestRiverLogsThroughTheScrubbedLogger(t *testing.T) {
+	var out bytes.Buffer
+	log := newLogger(&out, "json")
+	log.AddHook(redactHook{secrets: []string{"hunter2-secret"}})
+	riverLogger(log.WithField("component", "jobs")).With("attempt", 2).WithGroup("job").Warn("job failed", "error", "password hunter2-secret rejected")
+	line := map[string]any{}
+	if err := jsonDecode(&out, &line); err != nil {
+		t.Fatalf("not one JSON line: %q (%v)", out.String(), err)
+	}
+	if line["component"] != "river" || line["level"] != "warning" || line["msg"] != "job failed" || line["attempt"] != float64(2) {
+		t.Errorf("line %v", line)
+	}
+	if strings.Contains(out.String(), "hunter2-secret") || line["job.error"] != "password [redacted] rejected" {
+		t.Errorf("the secret was not scrubbed: %s", out.String())
+	}
+}

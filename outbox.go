@@ -25,6 +25,9 @@ const (
 	// outboxDeliveryLock is the advisory lock a delivery transaction holds
 	// from taking its sequence numbers until it commits (see migration 2).
 	outboxDeliveryLock = 0x6b756d696b6f // "kumiko"
+	// wakeTimeout bounds one wake-up publish: a Redis that hangs must not
+	// hold wake-ups back for longer than a hub's own poll would.
+	wakeTimeout = time.Second
 )
 
 // outboxEvent is one event as delivered: its outbox id (the id SSE clients
@@ -57,11 +60,11 @@ func writeOutboxEvent(ctx context.Context, tx pgx.Tx, aggregateType, aggregateID
 }
 
 // outboxPoller delivers outbox events: it claims due rows with FOR UPDATE
-// SKIP LOCKED, inserts the jobs they trigger, publishes them on Redis and
-// marks them delivered in one transaction. An insert wakes it (LISTEN/NOTIFY); a slow poll is the
-// fallback. Failed deliveries back off exponentially and die after a maximum.
-// Rows a crashed poller held are picked again by the next poller: their
-// transaction died with its connection.
+// SKIP LOCKED, inserts the jobs they trigger and marks them delivered in one
+// transaction, then wakes the SSE hubs over Redis. An insert wakes it
+// (LISTEN/NOTIFY); a slow poll is the fallback. Failed deliveries back off
+// exponentially and die after a maximum. Rows a crashed poller held are
+// picked again by the next poller: their transaction died with its connection.
 type outboxPoller struct {
 	db      *pgxpool.Pool
 	rdb     *redis.Client
@@ -71,11 +74,12 @@ type outboxPoller struct {
 	log     *logrus.Entry
 	metrics *metrics
 	onPanic func(recovered any)
-	// alsoInTx runs in every delivery transaction (the jobs the events
-	// trigger are inserted there), before the batch is published.
+	// alsoInTx inserts the jobs the events trigger, in the delivery
+	// transaction (in a savepoint: an error fails only those events).
 	alsoInTx func(ctx context.Context, tx pgx.Tx, events []outboxEvent) error
 
-	wake chan struct{} // buffered 1: "there may be new rows"
+	wake  chan struct{}    // buffered 1: "there may be new rows"
+	wakeQ chan outboxEvent // buffered 1: the newest delivered event, for runWaker
 
 	mu       sync.Mutex
 	stopping chan struct{}      // closed by Stop: finish the batch, pick no new one
@@ -86,7 +90,8 @@ type outboxPoller struct {
 func newOutboxPoller(db *pgxpool.Pool, rdb *redis.Client, cfg outboxConfig, beat *heartbeat, beatInterval time.Duration,
 	alsoInTx func(context.Context, pgx.Tx, []outboxEvent) error, log *logrus.Logger, m *metrics, onPanic func(recovered any)) *outboxPoller {
 	return &outboxPoller{db: db, rdb: rdb, cfg: cfg, beat: beat, beatInt: beatInterval, alsoInTx: alsoInTx,
-		log: log.WithField("component", "outboxPoller"), metrics: m, onPanic: onPanic, wake: make(chan struct{}, 1)}
+		log: log.WithField("component", "outboxPoller"), metrics: m, onPanic: onPanic,
+		wake: make(chan struct{}, 1), wakeQ: make(chan outboxEvent, 1)}
 }
 
 // Start checks the outbox synchronously (the table is there, the heartbeat
@@ -158,6 +163,15 @@ func (p *outboxPoller) run(ctx context.Context) {
 		}()
 		defer func() { stopListening(); <-listening }()
 	}
+	// The waker publishes after the commits, so Redis never holds a delivery.
+	wakerCtx, stopWaker := context.WithCancel(ctx)
+	waking := make(chan struct{})
+	go func() {
+		defer close(waking)
+		defer p.recoverPanic()
+		p.runWaker(wakerCtx)
+	}()
+	defer func() { stopWaker(); <-waking }()
 
 	poll := time.NewTicker(p.cfg.PollInterval)
 	defer poll.Stop()
@@ -250,7 +264,14 @@ func (p *outboxPoller) deliverDue(ctx context.Context) {
 }
 
 // deliverBatch claims up to BatchSize due events and delivers them in one
-// transaction. It returns how many it claimed.
+// transaction: the jobs each event triggers are inserted, the event is marked
+// delivered with its delivery_seq, and both commit together. An event whose
+// jobs cannot be inserted (a poison event) is isolated in its own savepoint
+// and gets an attempt with backoff (dead after the maximum); the events beside
+// it are delivered. Redis is not part of this transaction: after the commit
+// the poller only wakes the SSE hubs (wakeHubs), which read the delivered
+// events from Postgres, so a Redis outage neither blocks nor duplicates a
+// delivery. It returns how many events it claimed.
 func (p *outboxPoller) deliverBatch(ctx context.Context) (int, error) {
 	tx, err := p.db.Begin(ctx)
 	if err != nil {
@@ -268,105 +289,249 @@ func (p *outboxPoller) deliverBatch(ctx context.Context) (int, error) {
 	if !locked {
 		return 0, nil
 	}
+	events, attempts, err := claimDue(ctx, tx, p.cfg.BatchSize)
+	if err != nil || len(events) == 0 {
+		if err == nil {
+			err = tx.Commit(ctx)
+		}
+		return 0, err
+	}
+
+	delivered, failed, err := p.deliverInTx(ctx, tx, events, attempts)
+	if err == nil {
+		err = tx.Commit(ctx)
+		if err != nil {
+			err = fmt.Errorf("committing the delivery: %w", err)
+		}
+	}
+	if err != nil {
+		// Whatever failed (a query, the commit, the connection) counts as an
+		// attempt for every claimed event, recorded in a transaction of its
+		// own; a hard stop (ctx ended) is not the events' fault and leaves
+		// them untouched.
+		if ctx.Err() == nil {
+			err = p.recordFailure(context.WithoutCancel(ctx), events, attempts, err)
+		}
+		return len(events), err
+	}
+	p.countOutcomes(delivered, failed, attempts, events, true)
+	if len(delivered) > 0 {
+		p.wakeHubs(delivered[len(delivered)-1])
+	}
+	return len(events), nil
+}
+
+// claimDue locks up to limit due events, oldest first, with their attempts so far.
+func claimDue(ctx context.Context, tx pgx.Tx, limit uint) ([]outboxEvent, []int32, error) {
 	rows, err := tx.Query(ctx, `SELECT id, event_type, aggregate_type, aggregate_id, payload, created_at, attempts, coalesce(traceparent, '')
 		FROM outbox_events
 		WHERE delivered_at IS NULL AND dead_at IS NULL AND next_attempt_at <= now()
 		ORDER BY id LIMIT $1
-		FOR UPDATE SKIP LOCKED`, p.cfg.BatchSize)
+		FOR UPDATE SKIP LOCKED`, limit)
 	if err != nil {
-		return 0, fmt.Errorf("claiming events: %w", err)
+		return nil, nil, fmt.Errorf("claiming events: %w", err)
 	}
+	defer rows.Close()
 	var events []outboxEvent
 	var attempts []int32
 	for rows.Next() {
 		var e outboxEvent
 		var a int32
 		if err := rows.Scan(&e.ID, &e.Type, &e.AggregateType, &e.AggregateID, &e.Payload, &e.CreatedAt, &a, &e.Traceparent); err != nil {
-			rows.Close()
-			return 0, fmt.Errorf("reading claimed events: %w", err)
+			return nil, nil, fmt.Errorf("reading claimed events: %w", err)
 		}
 		events, attempts = append(events, e), append(attempts, a)
 	}
 	if err := rows.Err(); err != nil {
-		return 0, fmt.Errorf("claiming events: %w", err)
+		return nil, nil, fmt.Errorf("claiming events: %w", err)
 	}
-	if len(events) == 0 {
-		return 0, tx.Commit(ctx)
-	}
-
-	var last int64
-	if err := tx.QueryRow(ctx, `SELECT setval('outbox_delivery_seq', nextval('outbox_delivery_seq') + $1 - 1)`, len(events)).Scan(&last); err != nil {
-		return 0, fmt.Errorf("taking delivery sequence numbers: %w", err)
-	}
-	ids, seqs := make([]int64, len(events)), make([]int64, len(events))
-	for i := range events {
-		events[i].Seq = last - int64(len(events)-1-i)
-		ids[i], seqs[i] = events[i].ID, events[i].Seq
-	}
-
-	if p.alsoInTx != nil {
-		if err := p.alsoInTx(ctx, tx, events); err != nil {
-			return 0, err
-		}
-	}
-	if err := p.publish(ctx, events); err != nil {
-		return len(events), p.recordFailure(ctx, tx, ids, attempts, err)
-	}
-	if _, err := tx.Exec(ctx, `UPDATE outbox_events o SET delivered_at = now(), delivery_seq = d.seq, last_error = NULL
-		FROM unnest($1::bigint[], $2::bigint[]) AS d(id, seq) WHERE o.id = d.id`, ids, seqs); err != nil {
-		return 0, fmt.Errorf("marking events delivered: %w", err)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return 0, fmt.Errorf("committing the delivery: %w", err)
-	}
-	p.metrics.outboxDelivered.Add(float64(len(events)))
-	for _, e := range events {
-		p.metrics.outboxLatency.Observe(time.Since(e.CreatedAt).Seconds())
-	}
-	return len(events), nil
+	return events, attempts, nil
 }
 
-// publish sends the batch on Redis in one round trip, in delivery order.
-func (p *outboxPoller) publish(ctx context.Context, events []outboxEvent) error {
-	pipe := p.rdb.Pipeline()
-	for _, e := range events {
-		msg, err := json.Marshal(e)
-		if err != nil {
-			return fmt.Errorf("encoding event %d: %w", e.ID, err)
-		}
-		pipe.Publish(ctx, eventsChannel, msg)
+// deliverInTx inserts the jobs of the claimed events, then marks the events
+// whose jobs exist delivered (with their delivery_seq) and gives the others an
+// attempt. It returns the delivered events, in order, and the failed ones by
+// index. An error means the transaction itself is unusable.
+func (p *outboxPoller) deliverInTx(ctx context.Context, tx pgx.Tx, events []outboxEvent, attempts []int32) ([]outboxEvent, map[int]error, error) {
+	failed, err := p.insertJobs(ctx, tx, events)
+	if err != nil {
+		return nil, nil, err
 	}
-	if _, err := pipe.Exec(ctx); err != nil {
-		return fmt.Errorf("publishing %d events: %w", len(events), err)
+	var delivered []outboxEvent
+	for i, e := range events {
+		if _, bad := failed[i]; !bad {
+			delivered = append(delivered, e)
+		}
+	}
+	if len(delivered) > 0 {
+		// Sequence numbers are taken last, for the events that are delivered:
+		// a number is never given to an event that stays pending.
+		var last int64
+		if err := tx.QueryRow(ctx, `SELECT setval('outbox_delivery_seq', nextval('outbox_delivery_seq') + $1 - 1)`, len(delivered)).Scan(&last); err != nil {
+			return nil, nil, fmt.Errorf("taking delivery sequence numbers: %w", err)
+		}
+		ids, seqs := make([]int64, len(delivered)), make([]int64, len(delivered))
+		for i := range delivered {
+			delivered[i].Seq = last - int64(len(delivered)-1-i)
+			ids[i], seqs[i] = delivered[i].ID, delivered[i].Seq
+		}
+		if _, err := tx.Exec(ctx, `UPDATE outbox_events o SET delivered_at = now(), delivery_seq = d.seq, last_error = NULL
+			FROM unnest($1::bigint[], $2::bigint[]) AS d(id, seq) WHERE o.id = d.id`, ids, seqs); err != nil {
+			return nil, nil, fmt.Errorf("marking events delivered: %w", err)
+		}
+	}
+	if len(failed) > 0 {
+		var ids []int64
+		var att []int32
+		var causes []string
+		for i, err := range failed {
+			ids, att, causes = append(ids, events[i].ID), append(att, attempts[i]), append(causes, err.Error())
+		}
+		if err := p.markFailed(ctx, tx, ids, att, causes); err != nil {
+			return nil, nil, err
+		}
+	}
+	return delivered, failed, nil
+}
+
+// insertJobs inserts the jobs the events trigger. The whole batch is tried in
+// one savepoint; when that fails, each event is tried in a savepoint of its
+// own, so one event whose jobs cannot be inserted fails alone. It returns
+// those events' errors by index.
+func (p *outboxPoller) insertJobs(ctx context.Context, tx pgx.Tx, events []outboxEvent) (map[int]error, error) {
+	if p.alsoInTx == nil {
+		return nil, nil
+	}
+	inSavepoint := func(events []outboxEvent) error {
+		sp, err := tx.Begin(ctx)
+		if err != nil {
+			return fmt.Errorf("opening a savepoint: %w", err)
+		}
+		if err := p.alsoInTx(ctx, sp, events); err != nil {
+			sp.Rollback(ctx)
+			return err
+		}
+		return sp.Commit(ctx)
+	}
+	err := inSavepoint(events)
+	if err == nil {
+		return nil, nil
+	}
+	if ctx.Err() != nil {
+		return nil, err
+	}
+	failed := map[int]error{}
+	if len(events) == 1 {
+		failed[0] = err
+		return failed, nil
+	}
+	for i := range events {
+		if err := inSavepoint(events[i : i+1]); err != nil {
+			if ctx.Err() != nil {
+				return nil, err
+			}
+			failed[i] = fmt.Errorf("event %d: %w", events[i].ID, err)
+		}
+	}
+	return failed, nil
+}
+
+// markFailed gives each failed event another attempt after an exponential
+// backoff, or marks it dead after the maximum, with its own last_error.
+func (p *outboxPoller) markFailed(ctx context.Context, q interface {
+	Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
+}, ids []int64, attempts []int32, causes []string) error {
+	delays := make([]float64, len(ids))
+	for i, a := range attempts {
+		delays[i] = backoffDelay(p.cfg.RetryBase, p.cfg.RetryMax, int(a)+1).Seconds()
+	}
+	_, err := q.Exec(ctx, `UPDATE outbox_events o SET attempts = o.attempts + 1, last_error = f.cause,
+			next_attempt_at = now() + make_interval(secs => f.delay),
+			dead_at = CASE WHEN o.attempts + 1 >= $4 THEN now() END
+		FROM unnest($1::bigint[], $2::float8[], $3::text[]) AS f(id, delay, cause)
+		WHERE o.id = f.id AND o.delivered_at IS NULL AND o.dead_at IS NULL`,
+		ids, delays, causes, p.cfg.MaxAttempts)
+	if err != nil {
+		return fmt.Errorf("recording failed deliveries: %w", err)
 	}
 	return nil
 }
 
-// recordFailure gives every event of a failed batch another attempt after an
-// exponential backoff, or marks it dead after the maximum, and commits that.
-func (p *outboxPoller) recordFailure(ctx context.Context, tx pgx.Tx, ids []int64, attempts []int32, cause error) error {
-	delays := make([]float64, len(ids))
-	dead := 0
-	for i, a := range attempts {
-		delays[i] = backoffDelay(p.cfg.RetryBase, p.cfg.RetryMax, int(a)+1).Seconds()
-		if uint(a)+1 >= p.cfg.MaxAttempts {
-			dead++
+// recordFailure gives every event of a batch whose transaction failed an
+// attempt, in a transaction of its own, and returns cause.
+func (p *outboxPoller) recordFailure(ctx context.Context, events []outboxEvent, attempts []int32, cause error) error {
+	ids, causes := make([]int64, len(events)), make([]string, len(events))
+	for i, e := range events {
+		ids[i], causes[i] = e.ID, cause.Error()
+	}
+	failed := make(map[int]error, len(events))
+	for i := range events {
+		failed[i] = cause
+	}
+	if err := p.markFailed(ctx, p.db, ids, attempts, causes); err != nil {
+		return errors.Join(cause, err)
+	}
+	p.countOutcomes(nil, failed, attempts, events, false) // deliverDue logs the cause once
+	return cause
+}
+
+// countOutcomes counts a batch's delivered, retried and dead events and logs
+// each dead one (and each retried one, when logRetries).
+func (p *outboxPoller) countOutcomes(delivered []outboxEvent, failed map[int]error, attempts []int32, events []outboxEvent, logRetries bool) {
+	p.metrics.outboxDelivered.Add(float64(len(delivered)))
+	for _, e := range delivered {
+		p.metrics.outboxLatency.Observe(time.Since(e.CreatedAt).Seconds())
+	}
+	for i, err := range failed {
+		p.metrics.outboxFailed.Inc()
+		log := p.log.WithFields(logrus.Fields{"event_id": events[i].ID, "attempt": attempts[i] + 1}).WithError(err)
+		if uint(attempts[i])+1 >= p.cfg.MaxAttempts {
+			p.metrics.outboxDead.Inc()
+			log.Error("event is dead: delivery given up after the maximum attempts")
+		} else if logRetries {
+			log.Warn("delivery failed; retrying after a backoff")
 		}
 	}
-	_, err := tx.Exec(ctx, `UPDATE outbox_events o SET attempts = o.attempts + 1, last_error = $3,
-			next_attempt_at = now() + make_interval(secs => f.delay),
-			dead_at = CASE WHEN o.attempts + 1 >= $4 THEN now() END
-		FROM unnest($1::bigint[], $2::float8[]) AS f(id, delay) WHERE o.id = f.id`,
-		ids, delays, cause.Error(), p.cfg.MaxAttempts)
-	if err == nil {
-		err = tx.Commit(ctx)
+}
+
+// wakeHubs hands the newest delivered event to the waker goroutine without
+// waiting: if a wake-up is still queued it is replaced, since the hubs read
+// everything up to the newest event from Postgres anyway.
+func (p *outboxPoller) wakeHubs(newest outboxEvent) {
+	select {
+	case <-p.wakeQ:
+	default:
 	}
-	if err != nil {
-		return errors.Join(cause, fmt.Errorf("recording the failed delivery: %w", err))
+	p.wakeQ <- newest // the run goroutine is the only sender: this cannot block
+}
+
+// runWaker publishes the queued wake-ups on Redis until ctx ends. Each publish
+// is bounded by wakeTimeout; a failure is counted and logged, never retried:
+// every hub also catches up from Postgres on its poll tick.
+func (p *outboxPoller) runWaker(ctx context.Context) {
+	failing := false
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case ev := <-p.wakeQ:
+			msg, _ := json.Marshal(ev) // ints, strings, a time and valid JSON
+			pctx, cancel := context.WithTimeout(ctx, wakeTimeout)
+			err := p.rdb.Publish(pctx, eventsChannel, msg).Err()
+			cancel()
+			switch {
+			case err != nil && ctx.Err() == nil:
+				p.metrics.outboxWakeFailed.Inc()
+				if !failing { // once per outage, not once per batch
+					p.log.WithError(err).Warn("cannot wake the SSE hubs over Redis; they catch up from Postgres on their poll")
+				}
+				failing = true
+			case err == nil && failing:
+				p.log.Info("waking the SSE hubs over Redis again")
+				failing = false
+			}
+		}
 	}
-	p.metrics.outboxFailed.Add(float64(len(ids)))
-	p.metrics.outboxDead.Add(float64(dead))
-	return cause
 }
 
 // updatePending refreshes kumiko_outbox_pending.

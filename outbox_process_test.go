@@ -4,6 +4,7 @@ import (
 	"context"
 	"maps"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -106,18 +108,25 @@ func TestProcessTwoInstancesFanOut(t *testing.T) {
 }
 
 // 2. kill -9 an instance while its poller holds a batch: the other instance's
-// poller delivers those rows; none is lost.
+// poller delivers those rows; none is lost. The batch is held by a lock on
+// river_job, where the delivery inserts the indexOrder jobs.
 func TestProcessCrashedPollerBatchIsRedelivered(t *testing.T) {
 	env := fastEnv(t)
-	redisServer := testRedis(t) // our own handle, to freeze it
-	env["REDIS_URL"] = redisServer.URL
+	env["MEILI_URL"] = newMeiliDouble(t, "available").srv.URL // order.created → indexOrder
 	env["KUMIKO_INSTANCE_ID"] = "crashy"
 	crashy := startProc(t, env)
 	_, api := crashy.waitReady()
 	pool := sharedPool(t, env)
 
-	// Freeze Redis: the poller claims the batch, then hangs publishing it.
-	redisServer.Pause()
+	// Block job inserts: the poller claims the batch, then waits on the lock.
+	blocker, err := pool.Begin(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer blocker.Rollback(context.Background())
+	if _, err := blocker.Exec(context.Background(), `LOCK TABLE river_job IN SHARE ROW EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
 	const n = 5
 	for range n {
 		if code, _, body := post(t, api+"/api/orders", validOrder, nil); code != 201 {
@@ -127,12 +136,12 @@ func TestProcessCrashedPollerBatchIsRedelivered(t *testing.T) {
 	waitFor(t, 5*time.Second, "the poller to hold its batch", func() bool {
 		var holding int
 		pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
-			WHERE application_name = 'kumiko-lifecycle-demo/crashy' AND state = 'idle in transaction'`).Scan(&holding)
+			WHERE application_name = 'kumiko-lifecycle-demo/crashy' AND wait_event_type = 'Lock' AND query LIKE '%river_job%'`).Scan(&holding)
 		return holding > 0
 	})
 	crashy.cmd.Process.Kill()
 	crashy.wait(5 * time.Second)
-	redisServer.Resume()
+	blocker.Rollback(context.Background())
 
 	var claimed int
 	pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE aggregate_type = 'order' AND delivered_at IS NULL AND attempts = 0`).Scan(&claimed)
@@ -148,6 +157,168 @@ func TestProcessCrashedPollerBatchIsRedelivered(t *testing.T) {
 		pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL`).Scan(&pending)
 		return pending == 0
 	})
+	assertOneJobPerOrder(t, pool)
+}
+
+// assertOneJobPerOrder checks that every order has exactly one indexOrder job.
+func assertOneJobPerOrder(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), `SELECT o.id, count(j.id) FROM orders o
+		LEFT JOIN river_job j ON j.kind = 'indexOrder' AND (j.args->>'orderId')::bigint = o.id GROUP BY o.id ORDER BY o.id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	orders := 0
+	for rows.Next() {
+		var id, jobs int64
+		rows.Scan(&id, &jobs)
+		orders++
+		if jobs != 1 {
+			t.Errorf("order %d has %d indexOrder jobs, want exactly 1", id, jobs)
+		}
+	}
+	if orders == 0 {
+		t.Fatal("no orders")
+	}
+}
+
+// redisOutage is how long the Redis-down tests keep Redis down
+// (KUMIKO_TEST_REDIS_OUTAGE, default 3s; the issue's scenario is 30s).
+func redisOutage(t *testing.T) time.Duration {
+	if v := os.Getenv("KUMIKO_TEST_REDIS_OUTAGE"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			t.Fatalf("KUMIKO_TEST_REDIS_OUTAGE: %v", err)
+		}
+		return d
+	}
+	return 3 * time.Second
+}
+
+// 4. Redis killed while orders are delivered, with a subscriber job: events
+// are delivered from Postgres all the same, and after Redis is back every
+// order has exactly one indexOrder job (no job inserted again per attempt).
+func TestProcessRedisDownDeliversEachJobOnce(t *testing.T) {
+	env := fastEnv(t)
+	redisServer := testRedis(t)
+	env["REDIS_URL"] = redisServer.URL
+	env["MEILI_URL"] = newMeiliDouble(t, "available").srv.URL
+	p := startProc(t, env)
+	_, api := p.waitReady()
+	pool := sharedPool(t, env)
+
+	redisServer.Stop()
+	for range 5 {
+		if code, _, body := post(t, api+"/api/orders", validOrder, nil); code != 201 {
+			t.Fatalf("POST with Redis down: %d %v", code, body)
+		}
+	}
+	waitFor(t, 5*time.Second, "delivery with Redis down", func() bool {
+		var pending int
+		pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE event_type = 'order.created' AND delivery_seq IS NULL`).Scan(&pending)
+		return pending == 0
+	})
+	redisServer.Start()
+	if code, _, body := post(t, api+"/api/orders", validOrder, nil); code != 201 {
+		t.Fatalf("POST after Redis is back: %d %v", code, body)
+	}
+	waitFor(t, 5*time.Second, "the order after the outage to be delivered", func() bool {
+		var pending int
+		pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL`).Scan(&pending)
+		return pending == 0
+	})
+	var attempts int
+	pool.QueryRow(context.Background(), `SELECT coalesce(sum(attempts), 0) FROM outbox_events`).Scan(&attempts)
+	if attempts != 0 {
+		t.Errorf("%d delivery attempts spent on a Redis outage", attempts)
+	}
+	assertOneJobPerOrder(t, pool)
+}
+
+// 5. A poison event (an order.created whose aggregate id is no order id, so
+// its indexOrder job cannot be built) goes dead with its last_error after the
+// maximum attempts; the event committed with it and the ones behind it are
+// delivered.
+func TestProcessPoisonEventGoesDeadAlone(t *testing.T) {
+	env := fastEnv(t)
+	env["MEILI_URL"] = newMeiliDouble(t, "available").srv.URL
+	env["KUMIKO_OUTBOX_MAX_ATTEMPTS"] = "3"
+	p := startProc(t, env)
+	_, api := p.waitReady()
+	pool := sharedPool(t, env)
+
+	var poison, good int64
+	err := pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) error {
+		if err := tx.QueryRow(context.Background(), `INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+			VALUES ('order', 'not-an-order', 'order.created', '{}') RETURNING id`).Scan(&poison); err != nil {
+			return err
+		}
+		return tx.QueryRow(context.Background(), `INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+			VALUES ('order', '424242', 'order.created', '{}') RETURNING id`).Scan(&good)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.waitLog(10*time.Second, map[string]any{"component": "outboxPoller", "event_id": poison, "level": "error"})
+	var attempts int
+	var lastErr string
+	var dead, goodDelivered bool
+	pool.QueryRow(context.Background(), `SELECT attempts, coalesce(last_error, ''), dead_at IS NOT NULL FROM outbox_events WHERE id = $1`, poison).Scan(&attempts, &lastErr, &dead)
+	pool.QueryRow(context.Background(), `SELECT delivered_at IS NOT NULL FROM outbox_events WHERE id = $1`, good).Scan(&goodDelivered)
+	if !dead || attempts != 3 || !strings.Contains(lastErr, "not an order id") {
+		t.Errorf("poison event: dead %v after %d attempts, last_error %q; want dead after 3 with the cause", dead, attempts, lastErr)
+	}
+	if !goodDelivered {
+		t.Error("the event committed with the poison one was not delivered")
+	}
+	if code, _, body := post(t, api+"/api/orders", validOrder, nil); code != 201 {
+		t.Fatalf("POST: %d %v", code, body)
+	}
+	waitFor(t, 5*time.Second, "the order behind the dead event to be delivered", func() bool {
+		var pending int
+		pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL AND dead_at IS NULL`).Scan(&pending)
+		return pending == 0
+	})
+	if v, _ := scrapeMetric(p.addr("ops"), "kumiko_outbox_dead_total"); v != 1 {
+		t.Errorf("kumiko_outbox_dead_total = %v, want 1", v)
+	}
+}
+
+// 6. Redis down for a while (redisOutage): SSE clients on both instances
+// still receive every new order, from Postgres, on the hubs' poll tick.
+func TestProcessSSEFromPostgresWhileRedisIsDown(t *testing.T) {
+	redisServer := testRedis(t)
+	a, b, env := twoInstances(t, func(env map[string]string) { env["REDIS_URL"] = redisServer.URL })
+	_, apiA := a.waitReady()
+	_, apiB := b.waitReady()
+	clientA, clientB := openSSE(t, apiA, 0), openSSE(t, apiB, 0)
+	pool := sharedPool(t, env)
+
+	redisServer.Stop()
+	posted := 0
+	for start := time.Now(); time.Since(start) < redisOutage(t); posted++ {
+		api := []string{apiA, apiB}[posted%2]
+		if code, _, body := post(t, api+"/api/orders", validOrder, nil); code != 201 {
+			t.Fatalf("POST to %s with Redis down: %d %v", api, code, body)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	var want []int64
+	waitFor(t, 5*time.Second, "every order to be delivered", func() bool {
+		want = deliveryOrder(t, pool)
+		return len(want) == posted
+	})
+	// Still during the outage: each hub reads Postgres on its own poll.
+	for name, c := range map[string]*sseClient{"A": clientA, "B": clientB} {
+		c.waitFor(5*time.Second, "every order on "+name+" with Redis down", func(frames []sseFrame) bool {
+			return len(orderCreatedIDs(frames)) >= posted
+		})
+		if got := orderCreatedIDs(c.events(eventOrderCreated)); !slices.Equal(got, want) {
+			t.Errorf("client on %s got %v, want %v", name, got, want)
+		}
+	}
+	redisServer.Start()
 }
 
 // 3. An SSE client on a draining instance gets event: shutdown, reconnects to

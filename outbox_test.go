@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -19,6 +20,8 @@ type outboxFixture struct {
 	redis *testRedisServer
 	rdb   *redis.Client
 	cfg   outboxConfig
+	// alsoInTx stands in for the jobs insert of the delivery transaction.
+	alsoInTx func(context.Context, pgx.Tx, []outboxEvent) error
 }
 
 func newOutboxFixture(t testing.TB) *outboxFixture {
@@ -47,7 +50,7 @@ func (f *outboxFixture) poller(t testing.TB, name string) *outboxPoller {
 	m := newMetrics()
 	rd := newReadiness(readyLifecycle(t), m, time.Second, time.Millisecond)
 	beat := newHeartbeats(f.rdb, name, 10*time.Second, m, rd).RegisterHeartbeat("outbox", "outboxPoller")
-	p := newOutboxPoller(f.db, f.rdb, f.cfg, beat, time.Second, nil, newLogger(io.Discard, "json"), m,
+	p := newOutboxPoller(f.db, f.rdb, f.cfg, beat, time.Second, f.alsoInTx, newLogger(io.Discard, "json"), m,
 		func(r any) { t.Errorf("poller panicked: %v", r) })
 	t.Cleanup(func() { p.Stop(context.Background()) })
 	return p
@@ -115,6 +118,22 @@ func (f *outboxFixture) waitDelivered(t testing.TB, want int, timeout time.Durat
 	}
 }
 
+// deliveredInOrder reads the delivered events' ids in delivery order.
+func (f *outboxFixture) deliveredInOrder(t testing.TB) (ids, seqs []int64) {
+	t.Helper()
+	rows, err := f.db.Query(context.Background(), `SELECT id, delivery_seq FROM outbox_events WHERE delivered_at IS NOT NULL ORDER BY delivery_seq`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var id, seq int64
+		rows.Scan(&id, &seq)
+		ids, seqs = append(ids, id), append(seqs, seq)
+	}
+	return ids, seqs
+}
+
 func TestOutboxDeliversInOrderOnce(t *testing.T) {
 	f := newOutboxFixture(t)
 	published := f.subscribe(t)
@@ -125,15 +144,17 @@ func TestOutboxDeliversInOrderOnce(t *testing.T) {
 	}
 	f.waitDelivered(t, len(ids), 5*time.Second)
 
-	got := published()
-	if len(got) != len(ids) {
-		t.Fatalf("published %d events, want %d", len(got), len(ids))
-	}
-	for i, e := range got {
-		if e.ID != ids[i] || (i > 0 && e.Seq != got[i-1].Seq+1) {
-			t.Fatalf("event %d: id %d seq %d, want id %d in sequence", i, e.ID, e.Seq, ids[i])
+	got, seqs := f.deliveredInOrder(t)
+	for i := range got {
+		if got[i] != ids[i] || (i > 0 && seqs[i] != seqs[i-1]+1) {
+			t.Fatalf("event %d: id %d seq %d, want id %d in sequence", i, got[i], seqs[i], ids[i])
 		}
 	}
+	// The hubs were woken with the newest delivered event.
+	waitFor(t, 2*time.Second, "a wake-up naming the last event", func() bool {
+		w := published()
+		return len(w) > 0 && w[len(w)-1].ID == ids[len(ids)-1] && w[len(w)-1].Seq == seqs[len(seqs)-1]
+	})
 	// A NOTIFY wakes the idle poller: a new event is delivered well before the poll.
 	f.cfg.PollInterval = time.Hour
 	q := f.poller(t, "b")
@@ -146,67 +167,83 @@ func TestOutboxDeliversInOrderOnce(t *testing.T) {
 	f.waitDelivered(t, len(ids)+1, 2*time.Second)
 }
 
-// Redis down during delivery: the row is retried with growing backoff, never
-// lost, and delivered once Redis is back.
-func TestOutboxRetriesWhileRedisIsDown(t *testing.T) {
+// Redis is a wake-up, not a gate: with Redis down, events are delivered (with
+// their delivery_seq and their jobs, once each), and no attempt is spent.
+func TestOutboxDeliversWhileRedisIsDown(t *testing.T) {
 	f := newOutboxFixture(t)
+	var mu sync.Mutex
+	jobs := map[int64]int{}
+	f.alsoInTx = func(_ context.Context, _ pgx.Tx, events []outboxEvent) error {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, e := range events {
+			jobs[e.ID]++
+		}
+		return nil
+	}
 	p := f.poller(t, "a")
 	if err := p.Start(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	f.redis.Stop()
-	f.writeEvents(t, 1)
-
-	// Record the retry schedule: each attempt waits longer than the one before.
-	var gaps []time.Duration
-	deadline := time.Now().Add(10 * time.Second)
-	for len(gaps) < 4 && time.Now().Before(deadline) {
-		var attempts int
-		var lastErr string
-		var gap time.Duration
-		f.db.QueryRow(context.Background(), `SELECT attempts, coalesce(last_error, ''), next_attempt_at - now() FROM outbox_events`).Scan(&attempts, &lastErr, &gap)
-		if attempts > len(gaps) && lastErr != "" {
-			gaps = append(gaps, gap)
-		}
-		time.Sleep(2 * time.Millisecond)
+	ids := f.writeEvents(t, 30)
+	f.waitDelivered(t, len(ids), 5*time.Second)
+	var attempts, noSeq int
+	f.db.QueryRow(context.Background(), `SELECT coalesce(sum(attempts), 0), count(*) FILTER (WHERE delivery_seq IS NULL) FROM outbox_events`).Scan(&attempts, &noSeq)
+	if attempts != 0 || noSeq != 0 {
+		t.Errorf("with Redis down: %d attempts spent, %d delivered events without a delivery_seq", attempts, noSeq)
 	}
-	if len(gaps) < 4 {
-		t.Fatalf("only %d delivery attempts while Redis was down", len(gaps))
-	}
-	for i := 1; i < len(gaps); i++ {
-		if gaps[i] <= gaps[i-1] {
-			t.Errorf("backoff did not grow: %v", gaps)
-		}
-	}
-
 	f.redis.Start()
-	f.waitDelivered(t, 1, 5*time.Second)
+	f.writeEvents(t, 1)
+	f.waitDelivered(t, len(ids)+1, 5*time.Second)
+	mu.Lock()
+	defer mu.Unlock()
+	for _, id := range ids {
+		if jobs[id] != 1 {
+			t.Errorf("event %d: jobs inserted %d times", id, jobs[id])
+		}
+	}
 }
 
-func TestOutboxGivesUpAfterMaxAttempts(t *testing.T) {
+// A poison event (its jobs cannot be inserted) is retried with a growing
+// backoff, then dead with its last_error; the events beside it and behind it
+// are delivered meanwhile.
+func TestOutboxPoisonEventDiesAlone(t *testing.T) {
 	f := newOutboxFixture(t)
-	f.cfg.MaxAttempts = 2
+	f.cfg.MaxAttempts = 4
+	f.alsoInTx = func(ctx context.Context, tx pgx.Tx, events []outboxEvent) error {
+		for _, e := range events {
+			if e.AggregateID == "3" {
+				// A real statement error, so the savepoint has something to undo.
+				_, err := tx.Exec(ctx, `SELECT 1/0`)
+				return err
+			}
+		}
+		return nil
+	}
+	ids := f.writeEvents(t, 10) // aggregate ids 0..9: the fourth is poison
 	p := f.poller(t, "a")
 	if err := p.Start(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	f.redis.Stop()
-	f.writeEvents(t, 1)
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		var attempts int
+	f.waitDelivered(t, 9, 5*time.Second)
+	waitFor(t, 5*time.Second, "the poison event to die", func() bool {
 		var dead bool
-		f.db.QueryRow(context.Background(), `SELECT attempts, dead_at IS NOT NULL FROM outbox_events`).Scan(&attempts, &dead)
-		if dead {
-			if attempts != 2 {
-				t.Fatalf("dead after %d attempts, want 2", attempts)
-			}
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("event never marked dead")
-		}
-		time.Sleep(10 * time.Millisecond)
+		f.db.QueryRow(context.Background(), `SELECT dead_at IS NOT NULL FROM outbox_events WHERE id = $1`, ids[3]).Scan(&dead)
+		return dead
+	})
+	var attempts int
+	var lastErr string
+	var seq *int64
+	f.db.QueryRow(context.Background(), `SELECT attempts, coalesce(last_error, ''), delivery_seq FROM outbox_events WHERE id = $1`, ids[3]).Scan(&attempts, &lastErr, &seq)
+	if attempts != 4 || !strings.Contains(lastErr, "division by zero") || seq != nil {
+		t.Errorf("poison event: %d attempts, last_error %q, delivery_seq %v; want 4, the cause, none", attempts, lastErr, seq)
+	}
+	more := f.writeEvents(t, 2) // behind a dead event, delivery goes on
+	f.waitDelivered(t, 11, 5*time.Second)
+	got, _ := f.deliveredInOrder(t)
+	if got[len(got)-1] != more[1] {
+		t.Errorf("delivered %v, want the later events too", got)
 	}
 }
 
@@ -214,7 +251,16 @@ func TestOutboxGivesUpAfterMaxAttempts(t *testing.T) {
 // the delivery sequence has no duplicates.
 func TestOutboxConcurrentPollersDeliverEachEventOnce(t *testing.T) {
 	f := newOutboxFixture(t)
-	published := f.subscribe(t)
+	var mu sync.Mutex
+	jobs := map[int64]int{}
+	f.alsoInTx = func(_ context.Context, _ pgx.Tx, events []outboxEvent) error {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, e := range events {
+			jobs[e.ID]++ // counted even if the transaction later rolled back: stricter
+		}
+		return nil
+	}
 	for _, name := range []string{"a", "b", "c"} {
 		if err := f.poller(t, name).Start(context.Background()); err != nil {
 			t.Fatal(err)
@@ -226,22 +272,21 @@ func TestOutboxConcurrentPollersDeliverEachEventOnce(t *testing.T) {
 	}
 	wg.Wait()
 	f.waitDelivered(t, 500, 10*time.Second)
-	time.Sleep(50 * time.Millisecond)
-	seen, seqs := map[int64]int{}, map[int64]bool{}
-	for _, e := range published() {
-		seen[e.ID]++
-		if seqs[e.Seq] {
-			t.Fatalf("delivery_seq %d used twice", e.Seq)
-		}
-		seqs[e.Seq] = true
-	}
-	for id, n := range seen {
+	mu.Lock()
+	defer mu.Unlock()
+	for id, n := range jobs {
 		if n != 1 {
-			t.Errorf("event %d published %d times", id, n)
+			t.Errorf("event %d: jobs inserted %d times", id, n)
 		}
 	}
-	if len(seen) != 500 {
-		t.Fatalf("%d distinct events published, want 500", len(seen))
+	if len(jobs) != 500 {
+		t.Fatalf("jobs inserted for %d distinct events, want 500", len(jobs))
+	}
+	_, seqs := f.deliveredInOrder(t)
+	for i := 1; i < len(seqs); i++ {
+		if seqs[i] == seqs[i-1] {
+			t.Fatalf("delivery_seq %d used twice", seqs[i])
+		}
 	}
 }
 
@@ -272,18 +317,25 @@ func TestOutboxPollerStartStop(t *testing.T) {
 	}
 }
 
-// A hard stop (its budget over, Redis hanging mid-batch) rolls the batch back:
-// the events stay pending for the next poller.
+// A hard stop (its budget over, the jobs insert hanging mid-batch) rolls the
+// batch back: the events stay pending, no attempt spent, for the next poller.
 func TestOutboxHardStopKeepsTheBatchDurable(t *testing.T) {
 	f := newOutboxFixture(t)
+	hanging := make(chan struct{}, 1)
+	f.alsoInTx = func(ctx context.Context, _ pgx.Tx, _ []outboxEvent) error {
+		select {
+		case hanging <- struct{}{}:
+		default:
+		}
+		<-ctx.Done()
+		return ctx.Err()
+	}
 	p := f.poller(t, "a")
 	if err := p.Start(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	f.redis.Pause()
-	defer f.redis.Resume()
 	f.writeEvents(t, 10)
-	time.Sleep(100 * time.Millisecond) // the poller is now blocked publishing
+	<-hanging // the poller holds the batch
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
 	start := time.Now()
@@ -297,5 +349,30 @@ func TestOutboxHardStopKeepsTheBatchDurable(t *testing.T) {
 	f.db.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL AND dead_at IS NULL AND attempts = 0`).Scan(&pending)
 	if pending != 10 {
 		t.Fatalf("%d of 10 events still pending untouched after a hard stop", pending)
+	}
+}
+
+// Any failure counts as an attempt, not only one event's: here the delivery's
+// connection dies mid-batch. The attempt is recorded in a transaction of its
+// own, and the event is delivered on the next one.
+func TestOutboxBrokenTransactionCountsAsAnAttempt(t *testing.T) {
+	f := newOutboxFixture(t)
+	var once sync.Once
+	f.alsoInTx = func(ctx context.Context, tx pgx.Tx, _ []outboxEvent) error {
+		var err error
+		once.Do(func() { _, err = tx.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`) })
+		return err
+	}
+	f.writeEvents(t, 1)
+	p := f.poller(t, "a")
+	if err := p.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	f.waitDelivered(t, 1, 5*time.Second)
+	var attempts int
+	var lastErr *string
+	f.db.QueryRow(context.Background(), `SELECT attempts, last_error FROM outbox_events`).Scan(&attempts, &lastErr)
+	if attempts != 1 || lastErr != nil {
+		t.Errorf("delivered after %d attempts (last_error %v), want 1 failed attempt recorded, then cleared", attempts, lastErr)
 	}
 }

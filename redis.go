@@ -3,8 +3,10 @@ package main
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/sirupsen/logrus"
 )
 
 // connectRedis is phase 10: the go-redis client, retried with the same backoff as the DB.
@@ -17,6 +19,11 @@ func (a *app) connectRedis(ctx context.Context, p *phaseRun) error {
 	// Let a cancelled context interrupt a command stuck on the socket: a hard
 	// stop must not wait for Redis's read timeout.
 	opts.ContextTimeoutEnabled = true
+	// go-redis logs (pool dial failures, dropped pub/sub connections) through
+	// one package-wide logger; route it through ours so those lines are
+	// structured and scrubbed too. One process has one app, so setting it here
+	// is safe; in a test running two apps in one process the last one wins.
+	redis.SetLogger(redisLogger{log: a.log.WithField("component", "redis")})
 	client := redis.NewClient(opts)
 	ping := func(ctx context.Context) error { return client.Ping(ctx).Err() }
 	if err := a.connectWithRetry(ctx, p, "redis", ping); err != nil {
@@ -34,4 +41,12 @@ func (a *app) connectRedis(ctx context.Context, p *phaseRun) error {
 	a.heartbeats = newHeartbeats(client, a.cfg.InstanceID, a.cfg.Lifecycle.Heartbeat.TTL, a.metrics, a.health)
 	a.lc.RegisterShutdownHook("heartbeats", a.heartbeats.clear)
 	return nil
+}
+
+// redisLogger is go-redis's logger interface (Printf) on the process logger.
+// go-redis only logs trouble, so every line is a warning.
+type redisLogger struct{ log *logrus.Entry }
+
+func (l redisLogger) Printf(_ context.Context, format string, v ...any) {
+	l.log.Warn(strings.TrimPrefix(fmt.Sprintf(format, v...), "redis: "))
 }

@@ -1,0 +1,37 @@
+package main
+
+// Figures for the fault paths, measured, not asserted:
+//
+//	go test -run '^$' -bench 'OutboxRedis' -benchtime 20000x .
+//
+// BenchmarkOutboxRedis/redis=up|down   delivered events/s from a backlog
+//                                      committed at once, with Redis up, and
+//                                      with Redis stopped (the SSE hubs then
+//                                      catch up from Postgres on their poll)
+
+import (
+	"context"
+	"testing"
+	"time"
+)
+
+func BenchmarkOutboxRedis(b *testing.B) {
+	for _, state := range []string{"up", "down"} {
+		b.Run("redis="+state, func(b *testing.B) {
+			f := newOutboxFixture(b)
+			f.cfg = outboxConfig{BatchSize: 100, PollInterval: 50 * time.Millisecond, Listen: true, MaxAttempts: 10, RetryBase: time.Second, RetryMax: time.Minute}
+			// The poller checks Redis when it starts; the outage begins after.
+			if err := f.poller(b, "p").Start(context.Background()); err != nil {
+				b.Fatal(err)
+			}
+			if state == "down" {
+				f.redis.Stop()
+			}
+			f.writeEvents(b, b.N) // one transaction: the backlog appears at once
+			b.ResetTimer()
+			start := time.Now()
+			f.waitDelivered(b, b.N, 5*time.Minute)
+			b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "events/s")
+		})
+	}
+}
