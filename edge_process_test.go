@@ -80,6 +80,18 @@ func TestProcessServerTimeouts(t *testing.T) {
 		})
 	}
 
+	t.Run("oversized headers refused", func(t *testing.T) {
+		req, _ := http.NewRequest(http.MethodGet, api+"/health", nil)
+		req.Header.Set("X-Big", strings.Repeat("x", 2*maxHeaderBytes)) // under net/http's 1 MB default
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusRequestHeaderFieldsTooLarge {
+			t.Fatalf("a %d-byte header: %d, want 431", 2*maxHeaderBytes, resp.StatusCode)
+		}
+	})
 	t.Run("stalled body cut", func(t *testing.T) {
 		conn := dialBase(t, api)
 		fmt.Fprintf(conn, "POST /api/orders HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n{\"customer")
