@@ -260,6 +260,11 @@ func TestProcessResumeFromDeletedEventResets(t *testing.T) {
 		t.Errorf("a reset stream replayed %d old events", len(old))
 	}
 
+	// An id above every stored one was never issued here: a client error, not a reset.
+	if future := openSSE(t, api, newest+1000); future.status != http.StatusBadRequest {
+		t.Errorf("Last-Event-ID above every stored id: %d %s; want 400", future.status, future.body)
+	}
+
 	// The stream goes on live after the reset.
 	next := insertDelivered(t, pool, 1, 10)
 	c.waitFor(5*time.Second, "the next event after the reset", func(f []sseFrame) bool {
