@@ -260,6 +260,11 @@ func TestProcessResumeFromDeletedEventResets(t *testing.T) {
 		t.Errorf("a reset stream replayed %d old events", len(old))
 	}
 
+	// An id above every stored one was never issued here: a client error, not a reset.
+	if future := openSSE(t, api, newest+1000); future.status != http.StatusBadRequest {
+		t.Errorf("Last-Event-ID above every stored id: %d %s; want 400", future.status, future.body)
+	}
+
 	// The stream goes on live after the reset.
 	next := insertDelivered(t, pool, 1, 10)
 	c.waitFor(5*time.Second, "the next event after the reset", func(f []sseFrame) bool {
@@ -348,4 +353,51 @@ func settledRSS(b testing.TB, p *proc) int64 {
 	}
 	b.Fatal("RSS did not settle within 3 minutes")
 	return 0
+}
+
+// The same drain in process, so the race detector sees the hub, the stream
+// handlers and the force-close at work together: stalled readers, live
+// readers and live events, then a stop.
+func TestInProcessStreamsDrainUnderLoad(t *testing.T) {
+	env := fastEnv(t)
+	env["KUMIKO_DRAIN_TIMEOUT"] = "1s"
+	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "5s"
+	env["KUMIKO_SSE_MAX_STREAMS_PER_IP"] = "0"
+	s := startInProcess(t, env)
+	api := "http://" + s.app.api.addr.String()
+	pool := sharedPool(t, env)
+	first := insertDelivered(t, pool, stallingReplay(t), 1000)
+	for range 4 {
+		stalledReader(t, api, first)
+	}
+	// The live readers start where the hub stands: after the replay events,
+	// which would otherwise reach them as thousands of live ones.
+	var last int64
+	if err := pool.QueryRow(context.Background(), `SELECT max(delivery_seq) FROM outbox_events`).Scan(&last); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the hub to catch up", func() bool { return s.app.sse.position() >= last })
+	live := []*sseClient{openSSE(t, api, 0), openSSE(t, api, 0)}
+	ops := "http://" + s.app.ops.addr.String()
+	waitStreams(t, ops, 6)
+	next := insertDelivered(t, pool, 50, 10)
+	for _, c := range live {
+		c.waitFor(10*time.Second, "the live events", func(f []sseFrame) bool {
+			return len(f) > 0 && f[len(f)-1].ID >= next+49
+		})
+	}
+
+	if err := s.stop(t); err != nil {
+		t.Fatalf("serve returned %v, want a clean drain; logs:\n%s", err, s.logs.String())
+	}
+	closed := s.logs.find(map[string]any{"component": "sse", "forced": 4})
+	if closed == nil || closed["streams_open"] != float64(0) {
+		t.Errorf("sseClose summary %v; want 4 stalled streams force-closed and none left open", closed)
+	}
+	for _, c := range live {
+		<-c.ended
+		if bye := c.events("shutdown"); len(bye) != 1 || bye[0].Retry == 0 {
+			t.Errorf("a live reader got %+v, want one event: shutdown with a retry hint", bye)
+		}
+	}
 }
