@@ -261,6 +261,32 @@ func TestProcessFlushallFencesAndTicksResume(t *testing.T) {
 	assertNoDuplicateTicks(t, pool)
 }
 
+// 9b. A leader whose token the fence refuses (here the fence is raised by
+// hand, as a newer leader would) steps down, acquires a token above the
+// fence, and its ticks resume.
+func TestProcessFencedLeaderStepsDownAndReacquires(t *testing.T) {
+	env := leaderEnv(t)
+	a := startAs(t, env, "a")
+	becameLeader(a, 10*time.Second)
+	pool := sharedPool(t, env)
+	waitFor(t, 10*time.Second, "a tick", func() bool { return len(ticks(t, pool)) >= 1 })
+
+	const fence = 1000
+	var raised time.Time
+	if err := pool.QueryRow(context.Background(), `UPDATE scheduler_fence SET token = $1 RETURNING now()`, fence).Scan(&raised); err != nil {
+		t.Fatal(err)
+	}
+	a.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "fenced"})
+	a.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "stopped leading", "reason": "fenced"})
+	waitFor(t, 5*time.Second, "a tick with a token above the fence", func() bool {
+		var n int
+		pool.QueryRow(context.Background(), `SELECT count(*) FROM river_job WHERE kind = 'report'
+			AND (args->>'fencingToken')::bigint > $1 AND created_at > $2`, fence, raised).Scan(&n)
+		return n > 0
+	})
+	assertNoDuplicateTicks(t, pool)
+}
+
 func currentLeaderFromPool(t *testing.T, env map[string]string) (string, error) {
 	rdb := redisClient(t, env["REDIS_URL"])
 	return currentLeader(context.Background(), rdb)

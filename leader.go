@@ -56,9 +56,9 @@ return 0`)
 // elector keeps one leader among all instances with a Redis TTL lock. While
 // this instance leads, lead runs with a context that ends the moment it stops
 // leading — lost lock, missed renew deadline or shutdown. Nothing else can ask
-// "am I leader": exclusive work lives inside lead. When lead returns errFenced
-// (the database knows a newer token) the elector steps down, releases the
-// lock and acquires again with a token drawn above the fence.
+// "am I leader": exclusive work lives inside lead. When lead returns a
+// *fencedError (the database knows a newer token) the elector steps down,
+// releases the lock and acquires again with a token drawn above the fence.
 type elector struct {
 	rdb        *redis.Client
 	instanceID string
@@ -193,7 +193,7 @@ func (e *elector) markFenced(fence int64, reason string) {
 }
 
 // setFenced sets kumiko_leader_fenced: 1 from a fencing until this instance
-// leads with a token the fence accepts, or sees another instance lead.
+// leads again with a token drawn above the fence, or sees another instance lead.
 func (e *elector) setFenced(fenced bool) {
 	e.mu.Lock()
 	e.fenced = fenced
@@ -211,6 +211,9 @@ func (e *elector) serve(ctx context.Context, token int64, value string) {
 	leadCtx, stopLeading := context.WithCancel(ctx)
 	led := make(chan struct{})
 	e.setLeading(true)
+	// The token was drawn above the fence: leading with it ends a fencing
+	// (a newer fence met later sets it again).
+	e.setFenced(false)
 	log.Info("became leader")
 	var leadErr error
 	go func() {

@@ -310,7 +310,7 @@ func (p *outboxPoller) deliverBatch(ctx context.Context) (int, error) {
 		// own; a hard stop (ctx ended) is not the events' fault and leaves
 		// them untouched.
 		if ctx.Err() == nil {
-			err = p.recordFailure(context.WithoutCancel(ctx), events, attempts, err)
+			err = p.recordFailure(ctx, events, attempts, err)
 		}
 		return len(events), err
 	}
