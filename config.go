@@ -10,6 +10,7 @@ import (
 	"io/fs"
 	"math"
 	"net"
+	"net/netip"
 	"net/url"
 	"os"
 	"slices"
@@ -87,6 +88,10 @@ type httpConfig struct {
 	RateBurst         uint          // requests one client IP may send at once
 	SlowMax           time.Duration // cap on GET /api/slow?ms=
 	DemoEndpoints     bool          // serve /api/slow; off in production manifests
+	// Proxies whose X-Forwarded-For is believed (the load balancer): behind
+	// them, the client address of the rate limit and the stream cap is the
+	// one they forwarded. Empty: the connection's own address, always.
+	TrustedProxies []netip.Prefix
 }
 
 type searchConfig struct {
@@ -224,6 +229,7 @@ func (c *config) settings() []configSetting {
 		{"http.rateBurst", "KUMIKO_API_RATE_BURST", uintValue{p: &c.HTTP.RateBurst}},
 		{"http.slowMaxSec", "KUMIKO_SLOW_MAX", durationValue{p: &c.HTTP.SlowMax}},
 		{"http.demoEndpoints", "KUMIKO_DEMO_ENDPOINTS", boolValue{p: &c.HTTP.DemoEndpoints}},
+		{"http.trustedProxies", "KUMIKO_TRUSTED_PROXIES", prefixListValue{p: &c.HTTP.TrustedProxies}},
 		{"sse.maxStreams", "KUMIKO_SSE_MAX_STREAMS", uintValue{p: &c.SSE.MaxStreams}},
 		{"sse.heartbeatSec", "KUMIKO_SSE_HEARTBEAT", durationValue{p: &c.SSE.Heartbeat}},
 		{"sse.retrySec", "KUMIKO_SSE_RETRY", durationValue{p: &c.SSE.RetryHint}},
@@ -595,6 +601,38 @@ func (v durationValue) set(raw string) error {
 }
 
 func (v durationValue) logValue() any { return v.p.String() }
+
+// prefixListValue is a comma-separated list of addresses or CIDR ranges
+// ("10.0.0.0/8, 127.0.0.1"); a bare address is a range of one.
+type prefixListValue struct{ p *[]netip.Prefix }
+
+func (v prefixListValue) set(raw string) error {
+	*v.p = nil
+	for _, part := range strings.Split(raw, ",") {
+		part = strings.TrimSpace(part)
+		if part == "" {
+			continue
+		}
+		prefix, err := netip.ParsePrefix(part)
+		if err != nil {
+			addr, addrErr := netip.ParseAddr(part)
+			if addrErr != nil {
+				return fmt.Errorf("%q is neither an address nor a CIDR range", part)
+			}
+			prefix = netip.PrefixFrom(addr, addr.BitLen())
+		}
+		*v.p = append(*v.p, prefix.Masked())
+	}
+	return nil
+}
+
+func (v prefixListValue) logValue() any {
+	parts := make([]string, len(*v.p))
+	for i, p := range *v.p {
+		parts[i] = p.String()
+	}
+	return strings.Join(parts, ",")
+}
 
 type boolValue struct{ p *bool }
 

@@ -98,7 +98,7 @@ func TestLoadConfigDefaults(t *testing.T) {
 			Readiness:        readinessConfig{ProbeTimeout: 1 * time.Second, CacheTTL: 1 * time.Second},
 		},
 	}
-	if got != want {
+	if !reflect.DeepEqual(got, want) {
 		t.Errorf("loadConfig() =\n%+v\nwant\n%+v", got, want)
 	}
 }
@@ -599,7 +599,7 @@ func TestExampleConfigFileIsCompleteAndDefault(t *testing.T) {
 		t.Fatal(err)
 	}
 	want, _ := loadTestConfig(map[string]string{"KUMIKO_INSTANCE_ID": "x"}, "")
-	if got != want {
+	if !reflect.DeepEqual(got, want) {
 		t.Errorf("the example file changes the defaults:\n got %+v\nwant %+v", got, want)
 	}
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"math"
 	"net"
+	"net/netip"
 	"net/http"
 	"strconv"
 	"sync"
@@ -39,15 +40,20 @@ func bodyReadDeadline(d time.Duration) echo.MiddlewareFunc {
 	}
 }
 
-// clientIP is the address the connection comes from. X-Forwarded-For is not
-// trusted: any client can write it, so believing it would let one client pose
-// as many. Behind a proxy every client shares the proxy's bucket; limit there.
-func clientIP(r *http.Request) string {
-	host, _, err := net.SplitHostPort(r.RemoteAddr)
-	if err != nil {
-		return r.RemoteAddr
+// clientIPExtractor tells echo where a request comes from (c.RealIP), for the
+// rate limit and the per-address stream cap. X-Forwarded-For is believed only
+// from the configured proxies: any client can write that header, so trusting
+// it from anyone would let one client pose as many. Echo's own defaults trust
+// every private network; here nothing is trusted unless configured.
+func clientIPExtractor(trusted []netip.Prefix) echo.IPExtractor {
+	if len(trusted) == 0 {
+		return echo.ExtractIPDirect()
 	}
-	return host
+	opts := []echo.TrustOption{echo.TrustLoopback(false), echo.TrustLinkLocal(false), echo.TrustPrivateNet(false)}
+	for _, p := range trusted {
+		opts = append(opts, echo.TrustIPRange(&net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}))
+	}
+	return echo.ExtractIPFromXFFHeader(opts...)
 }
 
 // ipRateLimiter is one token bucket per client IP, the buckets held in a
@@ -91,7 +97,7 @@ func (l *ipRateLimiter) reserve(ip string, now time.Time) time.Duration {
 func rateLimit(l *ipRateLimiter) echo.MiddlewareFunc {
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
-			if wait := l.reserve(clientIP(c.Request()), time.Now()); wait > 0 {
+			if wait := l.reserve(c.RealIP(), time.Now()); wait > 0 {
 				c.Response().Header().Set("Retry-After", strconv.Itoa(max(1, int(math.Ceil(wait.Seconds())))))
 				return apiError(http.StatusTooManyRequests, "rate_limited", "too many requests from this address; retry later")
 			}

@@ -251,3 +251,46 @@ func TestProcessOTLPCredentialsMasked(t *testing.T) {
 		}
 	}
 }
+
+// Behind a trusted proxy the client is the address it forwarded; from anyone
+// else X-Forwarded-For is ignored, so a client cannot pose as many.
+func TestProcessRateLimitBelievesOnlyTrustedProxies(t *testing.T) {
+	for _, tc := range []struct {
+		name, trusted string
+		separate      bool // two forwarded clients get a bucket each
+	}{
+		{"untrusted", "", false},
+		{"trusted", "127.0.0.1", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			env := fastEnv(t)
+			env["KUMIKO_API_RATE_LIMIT"] = "1"
+			env["KUMIKO_API_RATE_BURST"] = "2"
+			env["KUMIKO_TRUSTED_PROXIES"] = tc.trusted
+			p := startProc(t, env)
+			_, api := p.waitReady()
+			status := func(forwardedFor string) int {
+				req, _ := http.NewRequest(http.MethodGet, api+"/api/orders", nil)
+				req.Header.Set("X-Forwarded-For", forwardedFor)
+				resp, err := http.DefaultClient.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				resp.Body.Close()
+				return resp.StatusCode
+			}
+			var first []int
+			for len(first) < 10 && (len(first) == 0 || first[len(first)-1] != http.StatusTooManyRequests) {
+				first = append(first, status("203.0.113.1"))
+			}
+			if first[len(first)-1] != http.StatusTooManyRequests {
+				t.Fatalf("requests at burst 2, 1/s from client 203.0.113.1: %v, want a 429", first)
+			}
+			other := status("203.0.113.2") // at once: the shared bucket, if it is shared, is still empty
+			if got := other != http.StatusTooManyRequests; got != tc.separate {
+				t.Fatalf("trusted %q: client 203.0.113.2 after 203.0.113.1 was limited got %d; want a bucket of its own = %v",
+					tc.trusted, other, tc.separate)
+			}
+		})
+	}
+}

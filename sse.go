@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"strconv"
@@ -223,10 +222,10 @@ func (h *sseHub) run(ctx context.Context) {
 }
 
 // catchUp hands every delivered event after the cursor to the streams, in
-// delivery order, until it reaches target. A poller publishes just before it
-// commits, so an event may be announced a moment before it can be read: the
-// hub then retries briefly; what it still cannot see, the next tick finds (or
-// it was never committed: its numbers were burned, and nothing is lost).
+// delivery order, until it reaches target: the newest event a poller
+// announced. Pollers announce only after their transaction committed, so the
+// event is readable by then; the brief retries are a guard, and what a read
+// still misses, the next tick finds.
 func (h *sseHub) catchUp(ctx context.Context, target int64) {
 	wait := time.Millisecond
 	for {
@@ -413,7 +412,7 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string)
 		// The controller must reach net/http's writer: echo.Response is an
 		// http.Flusher that swallows flush errors.
 		rc := http.NewResponseController(c.Response().Unwrap())
-		s, cursor, err := h.open(c.Request().Context(), sseClientIP(c.Request()), rc)
+		s, cursor, err := h.open(c.Request().Context(), c.RealIP(), rc)
 		if err != nil {
 			c.Response().Header().Set("Retry-After", strconv.Itoa(max(1, int(cfg.RetryHint.Round(time.Second).Seconds()))))
 			return err
@@ -514,16 +513,6 @@ func (h *sseHub) streamEnded(err error) {
 	default:
 		h.log.WithFields(logrus.Fields{"event": "stream_dropped", "reason": "client_gone"}).WithError(err).Debug("event stream ended")
 	}
-}
-
-// sseClientIP is the address the connection comes from. X-Forwarded-For is
-// not trusted: any client could set it to escape the per-address cap.
-func sseClientIP(r *http.Request) string {
-	host, _, err := net.SplitHostPort(r.RemoteAddr)
-	if err != nil {
-		return r.RemoteAddr
-	}
-	return host
 }
 
 // resume is where a reconnecting client's stream starts.

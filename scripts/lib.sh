@@ -79,6 +79,7 @@ start_services() {
   export REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
   export KUMIKO_MASTER_KEY="${KUMIKO_MASTER_KEY:-$(head -c 32 /dev/urandom | base64)}"
   export KUMIKO_MIGRATIONS_MODE=auto-apply # instances apply at once: the advisory lock makes it safe
+  export KUMIKO_TRUSTED_PROXIES=127.0.0.1  # HAProxy: its X-Forwarded-For names the client
 }
 
 # start_app N [logfile] starts instance appN; its pid goes to $DIR/appN.pid.
@@ -118,10 +119,11 @@ start_lb() {
 defaults
   mode http
   timeout connect 2s
-  timeout client 60s
-  timeout server 60s
+  timeout client 70s
+  timeout server 70s # above KUMIKO_SLOW_MAX (60s): HAProxy never cuts a request the app would finish
   retries 2
   option redispatch
+  option forwardfor # the client's address, believed by the apps from 127.0.0.1 only
 frontend api
   bind 127.0.0.1:$LB_PORT
   stats enable
