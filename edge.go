@@ -3,8 +3,8 @@ package main
 import (
 	"math"
 	"net"
-	"net/netip"
 	"net/http"
+	"net/netip"
 	"strconv"
 	"sync"
 	"time"
