@@ -98,6 +98,11 @@ func TestProcessTwoInstancesFanOut(t *testing.T) {
 			payload, _ := f.Data["payload"].(map[string]any)
 			id, _ := payload["id"].(string)
 			seenOrders[id] = true
+			for _, internal := range []string{"aggregateId", "seq"} {
+				if _, ok := f.Data[internal]; ok {
+					t.Errorf("client on %s: a public frame carries the internal %s: %v", name, internal, f.Data)
+				}
+			}
 		}
 		for _, id := range orderIDs {
 			if !seenOrders[id] {

@@ -580,7 +580,20 @@ func resetFrame(r resume) []byte {
 	return fmt.Appendf(b, "event: reset\ndata: %s\n\n", data)
 }
 
+// publicEvent is what a stream client sees of a delivered event: the outbox
+// id it resumes from and dedupes by, and the payload. The aggregate's
+// internal id and the delivery position stay inside: sequential numbers would
+// tell anyone the business's volume.
+type publicEvent struct {
+	ID            int64           `json:"id"`
+	Type          string          `json:"type"`
+	AggregateType string          `json:"aggregateType"`
+	Payload       json.RawMessage `json:"payload"`
+	CreatedAt     time.Time       `json:"createdAt"`
+}
+
 func appendEvent(b []byte, ev *outboxEvent) []byte {
-	data, _ := json.Marshal(ev) // fields are ints, strings, a time and valid JSON
+	// Fields are ints, strings, a time and valid JSON: Marshal cannot fail.
+	data, _ := json.Marshal(publicEvent{ID: ev.ID, Type: ev.Type, AggregateType: ev.AggregateType, Payload: ev.Payload, CreatedAt: ev.CreatedAt})
 	return fmt.Appendf(b, "id: %d\nevent: %s\ndata: %s\n\n", ev.ID, ev.Type, data)
 }

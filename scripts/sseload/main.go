@@ -146,13 +146,15 @@ func (r *receiver) read(c net.Conn) {
 		}
 		now := time.Now()
 		var ev struct {
-			ID json.RawMessage `json:"id"`
+			Payload struct {
+				ID json.RawMessage `json:"id"` // the order's id, as POST answered it
+			} `json:"payload"`
 		}
-		if json.Unmarshal(data, &ev) != nil || ev.ID == nil {
+		if json.Unmarshal(data, &ev) != nil || ev.Payload.ID == nil {
 			continue
 		}
 		r.mu.Lock()
-		if at, ok := r.sent[string(ev.ID)]; ok {
+		if at, ok := r.sent[string(ev.Payload.ID)]; ok {
 			r.lat = append(r.lat, now.Sub(at))
 			r.received.Add(1)
 		}
