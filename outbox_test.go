@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"maps"
 	"strings"
 	"sync"
 	"testing"
@@ -54,6 +55,27 @@ func (f *outboxFixture) poller(t testing.TB, name string) *outboxPoller {
 		func(r any) { t.Errorf("poller panicked: %v", r) })
 	t.Cleanup(func() { p.Stop(context.Background()) })
 	return p
+}
+
+// countJobInserts makes the delivery transaction count, per event, how often
+// it inserted the event's jobs — also in transactions that later rolled back,
+// which is stricter than counting commits. It returns a reader of the counts.
+func (f *outboxFixture) countJobInserts() func() map[int64]int {
+	var mu sync.Mutex
+	counts := map[int64]int{}
+	f.alsoInTx = func(_ context.Context, _ pgx.Tx, events []outboxEvent) error {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, e := range events {
+			counts[e.ID]++
+		}
+		return nil
+	}
+	return func() map[int64]int {
+		mu.Lock()
+		defer mu.Unlock()
+		return maps.Clone(counts)
+	}
 }
 
 // writeEvents commits n events, as n business transactions would.
@@ -171,16 +193,7 @@ func TestOutboxDeliversInOrderOnce(t *testing.T) {
 // their delivery_seq and their jobs, once each), and no attempt is spent.
 func TestOutboxDeliversWhileRedisIsDown(t *testing.T) {
 	f := newOutboxFixture(t)
-	var mu sync.Mutex
-	jobs := map[int64]int{}
-	f.alsoInTx = func(_ context.Context, _ pgx.Tx, events []outboxEvent) error {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, e := range events {
-			jobs[e.ID]++
-		}
-		return nil
-	}
+	jobInserts := f.countJobInserts()
 	p := f.poller(t, "a")
 	if err := p.Start(context.Background()); err != nil {
 		t.Fatal(err)
@@ -196,8 +209,7 @@ func TestOutboxDeliversWhileRedisIsDown(t *testing.T) {
 	f.redis.Start()
 	f.writeEvents(t, 1)
 	f.waitDelivered(t, len(ids)+1, 5*time.Second)
-	mu.Lock()
-	defer mu.Unlock()
+	jobs := jobInserts()
 	for _, id := range ids {
 		if jobs[id] != 1 {
 			t.Errorf("event %d: jobs inserted %d times", id, jobs[id])
@@ -251,16 +263,7 @@ func TestOutboxPoisonEventDiesAlone(t *testing.T) {
 // the delivery sequence has no duplicates.
 func TestOutboxConcurrentPollersDeliverEachEventOnce(t *testing.T) {
 	f := newOutboxFixture(t)
-	var mu sync.Mutex
-	jobs := map[int64]int{}
-	f.alsoInTx = func(_ context.Context, _ pgx.Tx, events []outboxEvent) error {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, e := range events {
-			jobs[e.ID]++ // counted even if the transaction later rolled back: stricter
-		}
-		return nil
-	}
+	jobInserts := f.countJobInserts()
 	for _, name := range []string{"a", "b", "c"} {
 		if err := f.poller(t, name).Start(context.Background()); err != nil {
 			t.Fatal(err)
@@ -272,8 +275,7 @@ func TestOutboxConcurrentPollersDeliverEachEventOnce(t *testing.T) {
 	}
 	wg.Wait()
 	f.waitDelivered(t, 500, 10*time.Second)
-	mu.Lock()
-	defer mu.Unlock()
+	jobs := jobInserts()
 	for id, n := range jobs {
 		if n != 1 {
 			t.Errorf("event %d: jobs inserted %d times", id, n)
