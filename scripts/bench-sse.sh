@@ -17,7 +17,7 @@ export PATH="$PATH:$(go env GOPATH)/bin"
 STREAMS=${STREAMS:-"1000 5000 10000"} RATE=${RATE:-200} DURATION=${DURATION:-10s}
 LB_PORT=0 PG_PORT=${PG_PORT:-55437} REDIS_PORT=${REDIS_PORT:-56384}
 API_PORT1=${API_PORT1:-18093} OPS_PORT1=${OPS_PORT1:-18094} DIR=${BENCH_DIR:-$PWD/.bench-sse}
-ulimit -n 65536 # every stream is a descriptor on both sides
+ulimit -n "$(ulimit -Hn)" # every stream is a descriptor in the instance and in the load tool
 source scripts/lib.sh
 check_ports PG_PORT="$PG_PORT" REDIS_PORT="$REDIS_PORT" API_PORT1="$API_PORT1" OPS_PORT1="$OPS_PORT1" || exit 1
 trap cleanup EXIT INT TERM
@@ -31,6 +31,10 @@ export KUMIKO_LINGER=${KUMIKO_LINGER:-0}
 
 for n in $STREAMS; do
   echo
+  if ((n + 100 > $(ulimit -n))); then
+    echo "skipping $n streams: the open-file limit is $(ulimit -n) (raise the hard limit: ulimit -Hn)"
+    continue
+  fi
   start_app 1 "$DIR/app1-$n.log"
   wait_ready 1
   "$DIR/sseload" -api "http://127.0.0.1:$API_PORT1" -pid "${app_pids[1]}" -streams "$n" -rate "$RATE" \
