@@ -59,7 +59,13 @@ on_exit() {
         compose logs --no-color --tail 25 "$svc" 2>&1 | sed "s/^/  $svc: /" >&2 || true
       done
     fi
-    for f in "$WORK"/load-failed.txt "$WORK"/build.log "$WORK"/dockerd.log; do
+    # Only the logs of the step that failed.
+    case "$STEP" in
+    engine) files=("$WORK/dockerd.log") ;;
+    tools | "cli plugins" | images | build) files=("$WORK/build.log") ;;
+    *) files=("$WORK/load-failed.txt") ;;
+    esac
+    for f in "${files[@]}"; do
       [ -s "$f" ] && { say "---- tail of $(basename "$f") ----"; tail -n 25 "$f" >&2; }
     done
   fi
