@@ -194,9 +194,6 @@ func TestKubernetesManifests(t *testing.T) {
 	}
 }
 
-// demoSlowMax is KUMIKO_SLOW_MAX's default (SPEC: /api/slow is capped at
-// 60s): the longest request the demo allows through the load balancer.
-const demoSlowMax = 60 * time.Second
 
 // (issue 11) HAProxy re-resolves app1/app2 through Docker's DNS, so it starts
 // while an app container is stopped and follows a restarted container's new
@@ -254,7 +251,7 @@ func TestHAProxyFollowsContainersAndDockerfileBuildsOffline(t *testing.T) {
 			}
 		}
 	}
-	if timeoutServer <= demoSlowMax {
+	if demoSlowMax := defaultConfig().HTTP.SlowMax; timeoutServer <= demoSlowMax {
 		t.Errorf("timeout server %s cuts requests the demo allows (/api/slow up to %s): want more, with margin", timeoutServer, demoSlowMax)
 	}
 

@@ -59,7 +59,13 @@ on_exit() {
         compose logs --no-color --tail 25 "$svc" 2>&1 | sed "s/^/  $svc: /" >&2 || true
       done
     fi
-    for f in "$WORK"/load-failed.txt "$WORK"/build.log "$WORK"/dockerd.log; do
+    # Only the logs of the step that failed.
+    case "$STEP" in
+    engine) files=("$WORK/dockerd.log") ;;
+    tools | "cli plugins" | images | build) files=("$WORK/build.log") ;;
+    *) files=("$WORK/load-failed.txt") ;;
+    esac
+    for f in "${files[@]}"; do
       [ -s "$f" ] && { say "---- tail of $(basename "$f") ----"; tail -n 25 "$f" >&2; }
     done
   fi
@@ -170,35 +176,57 @@ base_image() {
   rm -rf "$root"
 }
 
+# standin_file IMAGE names the stand-in of IMAGE in deploy/standins/, or
+# returns 1 when there is none.
+standin_file() {
+  case "$1" in
+  postgres:16) echo postgres ;;
+  redis:7) echo redis ;;
+  haproxy:3.0) echo haproxy ;;
+  minio/minio:latest) echo minio ;;
+  golang:1.26-bookworm) echo golang ;;
+  gcr.io/distroless/static-debian12:nonroot) echo distroless-static ;;
+  *) return 1 ;;
+  esac
+}
+# standin_hash FILE: a stand-in is rebuilt when its Dockerfile or scripts change.
+standin_hash() { cat "deploy/standins/$1.Dockerfile" deploy/standins/"$1"-*.sh 2>/dev/null | sha256sum | cut -c1-16; }
+
 # standin IMAGE builds the local stand-in for IMAGE, tagged IMAGE.
 standin() {
   local image=$1 file ctx=deploy/standins
-  case "$image" in
-  postgres:16) file=postgres ;;
-  redis:7) file=redis ;;
-  haproxy:3.0) file=haproxy ;;
-  minio/minio:latest) file=minio && ensure golang:1.26-bookworm ;;
-  gcr.io/distroless/static-debian12:nonroot) file=distroless-static ;;
-  golang:1.26-bookworm)
-    file=golang ctx=$(go env GOROOT)
+  file=$(standin_file "$image") || return 1
+  case "$file" in
+  minio) ensure golang:1.26-bookworm ;;
+  golang)
+    ctx=$(go env GOROOT)
     case "$(go env GOVERSION)" in go1.26.*) ;; *) fail "the golang:1.26 stand-in needs the host's Go 1.26, found $(go env GOVERSION)" ;; esac
     ;;
-  *) return 1 ;;
   esac
   base_image
   say "building stand-in $image from deploy/standins/$file.Dockerfile"
-  docker build --progress=plain --build-arg GOPROXY="$(go env GOPROXY)" -t "$image" -f "deploy/standins/$file.Dockerfile" "$ctx" >"$WORK/build.log" 2>&1 ||
-    fail "building the stand-in for $image"
+  docker build --progress=plain --build-arg GOPROXY="$(go env GOPROXY)" --label "org.kumiko.standin.source=$(standin_hash "$file")" \
+    -t "$image" -f "deploy/standins/$file.Dockerfile" "$ctx" >"$WORK/build.log" 2>&1 || fail "building the stand-in for $image"
   standins+=("$image=$(docker image inspect -f '{{index .Config.Labels "org.kumiko.standin"}}' "$image")")
 }
 
-# ensure IMAGE: present, else pulled, else a stand-in; 1 if none can exist.
+# ensure IMAGE: present (a stand-in only if built from the current files),
+# else pulled, else a stand-in; 1 if none can exist.
 ensure() {
-  docker image inspect "$1" >/dev/null 2>&1 && {
+  local label source file
+  if docker image inspect "$1" >/dev/null 2>&1; then
     label=$(docker image inspect -f '{{index .Config.Labels "org.kumiko.standin"}}' "$1")
-    [ -n "$label" ] && [[ " ${standins[*]} " != *" $1="* ]] && standins+=("$1=$label (reused)")
-    return 0
-  }
+    source=$(docker image inspect -f '{{index .Config.Labels "org.kumiko.standin.source"}}' "$1")
+    [ -z "$label" ] && return 0 # a real image
+    [[ " ${standins[*]} " == *" $1="* ]] && return 0
+    if file=$(standin_file "$1") && [ "$source" = "$(standin_hash "$file")" ]; then
+      standins+=("$1=$label (reused)")
+      return 0
+    fi
+    say "stand-in $1 is older than deploy/standins/: rebuilding"
+    standin "$1"
+    return
+  fi
   try_pull "$1" && return 0
   standin "$1"
 }
