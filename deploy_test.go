@@ -194,7 +194,6 @@ func TestKubernetesManifests(t *testing.T) {
 	}
 }
 
-
 // (issue 11) HAProxy re-resolves app1/app2 through Docker's DNS, so it starts
 // while an app container is stopped and follows a restarted container's new
 // IP, and it never cuts a request the demo allows. The Dockerfile has no
