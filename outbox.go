@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -365,15 +366,21 @@ func (p *outboxPoller) deliverInTx(ctx context.Context, tx pgx.Tx, events []outb
 	}
 	if len(delivered) > 0 {
 		// Sequence numbers are taken last, for the events that are delivered:
-		// a number is never given to an event that stays pending.
-		var last int64
-		if err := tx.QueryRow(ctx, `SELECT setval('outbox_delivery_seq', nextval('outbox_delivery_seq') + $1 - 1)`, len(delivered)).Scan(&last); err != nil {
+		// a number is never given to an event that stays pending. One nextval
+		// per event, so they are unique whoever else draws from the sequence.
+		rows, err := tx.Query(ctx, `SELECT nextval('outbox_delivery_seq') FROM generate_series(1, $1::int)`, len(delivered))
+		if err != nil {
 			return nil, nil, fmt.Errorf("taking delivery sequence numbers: %w", err)
 		}
-		ids, seqs := make([]int64, len(delivered)), make([]int64, len(delivered))
+		seqs, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil {
+			return nil, nil, fmt.Errorf("taking delivery sequence numbers: %w", err)
+		}
+		slices.Sort(seqs)
+		ids := make([]int64, len(delivered))
 		for i := range delivered {
-			delivered[i].Seq = last - int64(len(delivered)-1-i)
-			ids[i], seqs[i] = delivered[i].ID, delivered[i].Seq
+			delivered[i].Seq = seqs[i]
+			ids[i] = delivered[i].ID
 		}
 		if _, err := tx.Exec(ctx, `UPDATE outbox_events o SET delivered_at = now(), delivery_seq = d.seq, last_error = NULL
 			FROM unnest($1::bigint[], $2::bigint[]) AS d(id, seq) WHERE o.id = d.id`, ids, seqs); err != nil {

@@ -22,7 +22,8 @@ mkdir -p "$dir"
 
 hog_pid=
 stop_hog() { [ -n "$hog_pid" ] && kill "$hog_pid" 2>/dev/null || true; }
-trap stop_hog EXIT INT TERM
+trap stop_hog EXIT
+trap 'exit 130' INT TERM # the EXIT trap still stops the hog
 if [ "$hog" = "--hog" ]; then
   yes >/dev/null &
   hog_pid=$!
