@@ -155,24 +155,10 @@ func (p *outboxPoller) run(ctx context.Context) {
 
 	// The listener only wakes the loop; if it is down (or off) the poll still delivers.
 	if p.cfg.Listen {
-		listenCtx, stopListening := context.WithCancel(ctx)
-		listening := make(chan struct{})
-		go func() {
-			defer close(listening)
-			defer p.recoverPanic()
-			p.listen(listenCtx)
-		}()
-		defer func() { stopListening(); <-listening }()
+		defer p.startOwned(ctx, p.listen)()
 	}
 	// The waker publishes after the commits, so Redis never holds a delivery.
-	wakerCtx, stopWaker := context.WithCancel(ctx)
-	waking := make(chan struct{})
-	go func() {
-		defer close(waking)
-		defer p.recoverPanic()
-		p.runWaker(wakerCtx)
-	}()
-	defer func() { stopWaker(); <-waking }()
+	defer p.startOwned(ctx, p.runWaker)()
 
 	poll := time.NewTicker(p.cfg.PollInterval)
 	defer poll.Stop()
@@ -194,6 +180,19 @@ func (p *outboxPoller) run(ctx context.Context) {
 			}
 		}
 	}
+}
+
+// startOwned runs fn in a goroutine the poller owns: a panic in it becomes a
+// graceful shutdown, and the returned stop cancels it and waits for it.
+func (p *outboxPoller) startOwned(ctx context.Context, fn func(context.Context)) (stop func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer p.recoverPanic()
+		fn(ctx)
+	}()
+	return func() { cancel(); <-done }
 }
 
 // recoverPanic is deferred by the poller's goroutines: a panic there turns
