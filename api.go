@@ -26,10 +26,10 @@ import (
 // Routes: one function per listener, one line per route.
 
 // addOpsRoutes serves probes, metrics and admin on the ops listener, which is
-// open from phase 2 until the very end of the drain. Redis and the jobs
-// client come later in the boot: the admin handlers read them when asked.
-func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, hc httpConfig, adminToken string,
-	redisNow func() *redis.Client, jobsNow func() *jobs) {
+// open from phase 2 until the very end of the drain. The admin routes that
+// need Redis and the jobs client answer 503 until mountAdminRoutes replaces
+// them in phase 15.
+func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, hc httpConfig, adminToken string) {
 	e.Use(bodyReadDeadline(hc.ReadTimeout)) // nothing on this port streams
 	e.GET("/health", handleLive())
 	e.GET("/health/ready", handleReady(rd, true))
@@ -39,8 +39,25 @@ func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, hc htt
 	}
 	admin := e.Group("/admin", requireBearer(adminToken))
 	admin.GET("/lifecycle", handleTimeline(lc))
-	admin.GET("/workers", handleWorkers(redisNow))
-	admin.POST("/jobs/:name/run", handleRunJob(jobsNow))
+	starting := func(echo.Context) error {
+		return apiError(http.StatusServiceUnavailable, "starting", "available once the boot has reached phase apiListener")
+	}
+	admin.GET("/workers", starting)
+	admin.POST("/jobs/:name/run", starting)
+}
+
+// mountAdminRoutes adds, in phase 15, the admin routes whose dependencies the
+// later phases created. net/http's ServeMux may gain routes while it serves,
+// and its longer patterns win over the ops echo at "/".
+func mountAdminRoutes(mux *http.ServeMux, e *echo.Echo, adminToken string, rdb *redis.Client, j *jobs) {
+	if adminToken == "" {
+		return
+	}
+	admin := e.Group("/admin", requireBearer(adminToken))
+	admin.GET("/workers", handleWorkers(rdb))
+	admin.POST("/jobs/:name/run", handleRunJob(j))
+	mux.Handle("/admin/workers", e)
+	mux.Handle("/admin/jobs/", e)
 }
 
 // addAPIRoutes serves the features on the API listener (bound in phase 15).
@@ -324,12 +341,8 @@ func handleSlow(limit time.Duration) echo.HandlerFunc {
 
 // handleWorkers is GET /admin/workers: the live workers of every instance
 // (their heartbeat keys) and the current leader.
-func handleWorkers(redisNow func() *redis.Client) echo.HandlerFunc {
+func handleWorkers(rdb *redis.Client) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		rdb := redisNow()
-		if rdb == nil {
-			return apiError(http.StatusServiceUnavailable, "starting", "Redis is not connected yet")
-		}
 		cl, err := readCluster(c.Request().Context(), rdb)
 		if err != nil {
 			return err

@@ -3,92 +3,253 @@ package main
 import (
 	"context"
 	"fmt"
+	"net/http"
+	"os"
+	"strings"
 	"time"
+
+	"github.com/sirupsen/logrus"
 )
 
-// defaultPhaseTimeout bounds phase 1, which runs before the configured
-// KUMIKO_PHASE_TIMEOUT is known.
-const defaultPhaseTimeout = 30 * time.Second
-
-// boot runs the 16 startup phases in their fixed order. Each phase is one call
-// to a function named after it, with its own timeout and failure policy, and
-// logs one line when it ends. The first failure ends the boot; the caller then
-// releases what was acquired, in reverse. ctx ends when a shutdown is requested,
-// which aborts the boot at the phase it is in.
+// boot runs the 16 startup phases in their fixed order. Each phase is the
+// method named after it, with its own timeout and failure policy, and logs one
+// line when it ends. What a phase acquires, it releases by registering a
+// shutdown hook right after the acquisition: the drain runs them newest first,
+// so the teardown is this list read from the bottom up. The first failure ends
+// the boot; the caller then drains what was acquired. ctx ends when a shutdown
+// is requested, which aborts the boot at the phase it is in.
 func (a *app) boot(ctx context.Context) error {
-	// 1. config: defaults, overridden by kumiko.config.yaml, overridden by the environment; every problem at once.
-	if err := a.lc.runPhase(ctx, "config", defaultPhaseTimeout, failExit, a.loadConfig); err != nil {
+	// 1. defaults, overridden by kumiko.config.yaml, overridden by the environment; every problem at once.
+	if err := a.lc.runPhase(ctx, "config", configPhaseTimeout, failExit, a.config); err != nil {
 		return err
 	}
 
 	// The boot budget counts from process start, phase 1 included. Whichever
 	// ends first, a phase's timeout or this budget, ends the boot.
-	budget := a.cfg.Lifecycle.StartupTimeout
-	ctx, cancel := context.WithDeadlineCause(ctx, a.born.Add(budget),
-		fmt.Errorf("%w: not ready within KUMIKO_STARTUP_TIMEOUT=%s", errStartupBudget, budget))
+	t := a.timeouts
+	ctx, cancel := context.WithDeadlineCause(ctx, a.born.Add(t.boot),
+		fmt.Errorf("%w: not ready within KUMIKO_STARTUP_TIMEOUT=%s", errStartupBudget, t.boot))
 	defer cancel()
-	phase, connect := a.cfg.Lifecycle.PhaseTimeout, a.cfg.Lifecycle.ConnectMaxWait
 
-	// 2. observability: logs, metrics, traces, and the ops listener, so probes answer during the boot.
-	if err := a.lc.runPhase(ctx, "observability", phase, failExit, a.setupObservability); err != nil {
-		return err
+	phases := []struct {
+		name    string
+		timeout time.Duration
+		onFail  onFail
+		run     func(context.Context, *phaseRun) error
+	}{
+		// 2. logs, metrics, traces, and the ops listener, so probes answer during the boot.
+		{"observability", t.phase, failExit, a.observability},
+		// 3. the master key (secrets.go).
+		{"secrets", t.phase, failExit, a.secrets},
+		// 4. Go version, GOMAXPROCS/GOMEMLIMIT vs cgroup, tzdata, fd limit (runtime_checks.go).
+		{"runtimeChecks", t.phase, failExit, a.runtimeChecks},
+		// 5. every feature declares its routes, events, jobs and crons (features.go).
+		{"featureRegister", t.phase, failExit, a.featureRegister},
+		// 6. the feature graph, every problem at once, before anything connects.
+		{"bootValidation", t.phase, failExit, a.bootValidation},
+		// 7. the pool, retried with backoff for up to KUMIKO_CONNECT_MAX_WAIT (database.go).
+		{"dbConnect", t.connect, failExit, a.dbConnect},
+		// 8. refuse a dirty or too-old schema, when KUMIKO_SCHEMA_BASELINE is set (migrations.go).
+		{"schemaBaseline", t.phase, failExit, a.schemaBaseline},
+		// 9. exit, apply or warn on pending migrations: KUMIKO_MIGRATIONS_MODE (migrations.go).
+		{"migrationsCheck", t.phase, failExit, a.migrationsCheck},
+		// 10. the Redis client and the heartbeat keys, same backoff as the DB (redis.go).
+		{"redisConnect", t.connect, failExit, a.redisConnect},
+		// 11. Meilisearch; when down, warn and let search fall back (search.go).
+		{"searchAdapter", t.phase, failWarn, a.searchAdapter},
+		// 12. the S3 bucket, created when missing; when down, warn and degrade (storage.go).
+		{"fileStorage", t.phase, failWarn, a.fileStorage},
+		// 13. the outbox poller, and the jobs client its deliveries insert into (retried 3x).
+		{"outboxPoller", t.phase, failExit, a.outboxPoller},
+		// 14. River works jobs; the leader election runs the cron scheduler (retried 3x).
+		{"jobsWorker", t.phase, failExit, a.jobsWorker},
+		// 15. the event stream hub, the API port (a port in use fails here, at once) and the admin routes.
+		{"apiListener", t.phase, failExit, a.apiListener},
+		// 16. one real readiness probe; then state → ready and /health/ready answers 200.
+		{"ready", t.phase, failExit, a.ready},
 	}
-	// 3. secrets: the master key.
-	if err := a.lc.runPhase(ctx, "secrets", phase, failExit, a.loadMasterKey); err != nil {
-		return err
-	}
-	// 4. runtimeChecks: Go version, GOMAXPROCS/GOMEMLIMIT vs cgroup, tzdata, fd limit.
-	if err := a.lc.runPhase(ctx, "runtimeChecks", phase, failExit, a.checkRuntime); err != nil {
-		return err
-	}
-	// 5. featureRegister: every feature declares its routes, events, jobs and crons.
-	if err := a.lc.runPhase(ctx, "featureRegister", phase, failExit, a.registerAll); err != nil {
-		return err
-	}
-	// 6. bootValidation: the feature graph, every problem at once, before anything connects.
-	if err := a.lc.runPhase(ctx, "bootValidation", phase, failExit, a.validateBoot); err != nil {
-		return err
-	}
-	// 7. dbConnect: the pool, retried with backoff for up to KUMIKO_CONNECT_MAX_WAIT.
-	if err := a.lc.runPhase(ctx, "dbConnect", connect, failExit, a.connectDB); err != nil {
-		return err
-	}
-	// 8. schemaBaseline: refuse a dirty or too-old schema (only when KUMIKO_SCHEMA_BASELINE is set).
-	if err := a.lc.runPhase(ctx, "schemaBaseline", phase, failExit, a.checkSchemaBaseline); err != nil {
-		return err
-	}
-	// 9. migrationsCheck: exit, apply or warn on pending migrations (KUMIKO_MIGRATIONS_MODE).
-	if err := a.lc.runPhase(ctx, "migrationsCheck", phase, failExit, a.checkMigrations); err != nil {
-		return err
-	}
-	// 10. redisConnect: the client, same backoff as the DB.
-	if err := a.lc.runPhase(ctx, "redisConnect", connect, failExit, a.connectRedis); err != nil {
-		return err
-	}
-	// 11. searchAdapter: Meilisearch; when down, warn and let search fall back.
-	if err := a.lc.runPhase(ctx, "searchAdapter", phase, failWarn, a.connectSearch); err != nil {
-		return err
-	}
-	// 12. fileStorage: the S3 bucket, created when missing; when down, warn and degrade.
-	if err := a.lc.runPhase(ctx, "fileStorage", phase, failWarn, a.connectStorage); err != nil {
-		return err
-	}
-	// 13. outboxPoller: start the poller (retried 3x).
-	if err := a.lc.runPhase(ctx, "outboxPoller", phase, failExit, a.startOutboxPoller); err != nil {
-		return err
-	}
-	// 14. jobsWorker: start the jobs worker, cron scheduler and leader election (retried 3x).
-	if err := a.lc.runPhase(ctx, "jobsWorker", phase, failExit, a.startJobsWorker); err != nil {
-		return err
-	}
-	// 15. apiListener: bind the API port; a port in use fails here, at once.
-	if err := a.lc.runPhase(ctx, "apiListener", phase, failExit, a.listenAPI); err != nil {
-		return err
-	}
-	// 16. ready: one real readiness probe; then state → ready and /health/ready answers 200.
-	if err := a.lc.runPhase(ctx, "ready", phase, failExit, a.confirmReady); err != nil {
-		return err
+	for _, ph := range phases {
+		if err := a.lc.runPhase(ctx, ph.name, ph.timeout, ph.onFail, ph.run); err != nil {
+			return err
+		}
 	}
 	a.becomeReady()
 	return nil
+}
+
+// config is phase 1. The final log format and the secret scrubbing apply
+// before the phase's own log line, so even that line is in the right shape.
+func (a *app) config(ctx context.Context, p *phaseRun) error {
+	cfg, err := loadConfig(a.getenv, os.ReadFile)
+	if err != nil {
+		return err
+	}
+	a.cfg = cfg
+	a.timeouts = lifecycleTimeouts(cfg.Lifecycle)
+	setLogFormat(a.log, cfg.LogFormat)
+	a.log.AddHook(redactHook{secrets: append(cfg.secrets(), otlpSecrets(a.getenv)...)})
+	a.log.AddHook(instanceHook{id: cfg.InstanceID})
+	a.log.WithField("component", "config").WithFields(cfg.logFields()).Info("config")
+	return nil
+}
+
+// observability is phase 2. Tracing that cannot be set up is a warning (the
+// noop provider takes over); an ops port that cannot be bound is not, because
+// an orchestrator without probes cannot manage the process.
+func (a *app) observability(ctx context.Context, p *phaseRun) error {
+	t, traceErr := setupTracing(ctx, a.getenv, a.cfg.InstanceID, version)
+	if traceErr != nil {
+		p.warn(traceErr.Error())
+	}
+	a.tracing = t
+	a.lc.traceWith(t.tracer)
+
+	a.health = newReadiness(a.lc, a.metrics, a.cfg.Lifecycle.Readiness.ProbeTimeout, a.cfg.Lifecycle.Readiness.CacheTTL)
+	a.health.RegisterReadinessCheck("observability", false, func(context.Context) checkResult {
+		detail := map[string]any{"provider": t.provider}
+		if traceErr != nil {
+			detail["error"] = traceErr.Error()
+		}
+		return okResult(detail)
+	})
+
+	e := newEcho(a.log, a.metrics, "ops")
+	addOpsRoutes(e, a.lc, a.health, a.metrics, a.cfg.HTTP, a.cfg.AdminToken)
+	// The admin routes that need Redis and the jobs client are mounted beside
+	// these in phase 15, once both exist.
+	a.opsRoutes = http.NewServeMux()
+	a.opsRoutes.Handle("/", e)
+	ops, err := listenHTTP("ops", a.cfg.OpsAddr, a.opsRoutes, a.cfg.HTTP, a.log, a.serverFailed)
+	if err != nil {
+		return err
+	}
+	a.ops = ops
+	return nil
+}
+
+// instanceHook stamps every log line with the instance id, so the logs of two
+// instances can be told apart after they are merged.
+type instanceHook struct{ id string }
+
+func (instanceHook) Levels() []logrus.Level { return logrus.AllLevels }
+func (h instanceHook) Fire(e *logrus.Entry) error {
+	e.Data["instance"] = h.id
+	return nil
+}
+
+// featureRegister is phase 5: every feature declares what it brings.
+func (a *app) featureRegister(ctx context.Context, p *phaseRun) error {
+	a.features = a.registerFeatures()
+	p.note = fmt.Sprintf("%d features", len(a.features))
+	return nil
+}
+
+// bootValidation is phase 6.
+func (a *app) bootValidation(ctx context.Context, p *phaseRun) error {
+	return validateFeatures(a.features)
+}
+
+// outboxPoller is phase 13. The River client is created first, not yet
+// started, because delivering an event inserts the jobs it triggers; its stop
+// hook is registered before the poller's, so the drain stops the poller
+// first and the jobs worker after it. Three tries: the framework's guarantees
+// need a working poller; then the boot ends.
+func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
+	j, err := newJobs(jobDeps{db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket,
+		masterKey: a.masterKey, log: a.log.WithField("component", "jobs"), outboxRetention: a.cfg.Outbox.Retention},
+		a.cfg.Jobs, a.timeouts.jobsSoftStop, a.cfg.InstanceID, a.features, a.tracing.tracer, a.metrics)
+	if err != nil {
+		return err
+	}
+	a.jobs = j
+	a.lc.RegisterShutdownHook("jobsWorker", j.Stop)
+
+	beat := a.heartbeats.RegisterHeartbeat("outbox", "outboxPoller")
+	poller := newOutboxPoller(a.db, a.redis, a.cfg.Outbox, beat, a.cfg.Lifecycle.Heartbeat.Interval, j.insertForEvents,
+		a.log, a.metrics, func(r any) { a.panicked("outboxPoller", r) })
+	if err := a.retry(ctx, p, "outboxPoller", 3, poller.Start); err != nil {
+		return err
+	}
+	a.lc.RegisterShutdownHook("outboxPoller", poller.Stop)
+	a.bus.subscribe(eventStateChanged, recordStateChanges(a.db, a.log.WithField("component", "events")))
+	return nil
+}
+
+// jobsWorker is phase 14: River starts working jobs, its heartbeat starts,
+// and the leader election starts the cron scheduler on whichever instance
+// leads. Three tries each, then the boot ends.
+func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
+	if err := a.retry(ctx, p, "jobsWorker", 3, a.jobs.Start); err != nil {
+		return err
+	}
+	jobsBeat := newBeatLoop(a.heartbeats.RegisterHeartbeat("jobs", "jobsWorker"), a.cfg.Lifecycle.Heartbeat.Interval,
+		a.log.WithField("component", "jobs"))
+	if err := jobsBeat.Start(ctx); err != nil {
+		return err
+	}
+	a.lc.RegisterShutdownHook("jobsHeartbeat", jobsBeat.Stop)
+
+	le := a.cfg.Lifecycle.LeaderElection
+	if !le.Enabled {
+		a.health.RegisterSkipped("schedulerLeader", "KUMIKO_LEADER_ENABLED=false: this instance schedules no cron jobs")
+		return nil
+	}
+	sched := &scheduler{db: a.db, jobs: a.jobs, crons: cronsOf(a.features),
+		beat: a.heartbeats.RegisterHeartbeat("scheduler", ""), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
+		log: a.log.WithField("component", "scheduler")}
+	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, sched.lead, sched.fence, a.log, a.metrics,
+		func(r any) { a.panicked("leader", r) })
+	if err := a.retry(ctx, p, "leaderElection", 3, el.Start); err != nil {
+		return err
+	}
+	a.lc.RegisterShutdownHook("leaderElection", el.Stop)
+	a.health.RegisterReadinessCheck("schedulerLeader", false, el.readinessCheck)
+	return nil
+}
+
+// apiListener is phase 15: the event stream hub, then the socket, bound here
+// so that "address in use" ends the boot at once instead of surfacing later in
+// a goroutine. The ops port gets the admin routes that need Redis and the jobs
+// client, which exist from here on.
+func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
+	hub := newSSEHub(a.db, a.redis, a.cfg.SSE, a.cfg.Outbox.PollInterval, a.log, a.metrics, func(r any) { a.panicked("sse", r) })
+	if err := hub.Start(ctx); err != nil {
+		return err
+	}
+	a.sse = hub
+	a.lc.RegisterShutdownHook("sseHub", hub.Stop)
+
+	e := newEcho(a.log, a.metrics, "api")
+	e.IPExtractor = clientIPExtractor(a.cfg.HTTP.TrustedProxies)
+	addAPIRoutes(e, a.lc, a.health, a.features, a.metrics, a.cfg.HTTP, &a.inFlight, a.tracing.tracer)
+	api, err := listenHTTP("api", a.cfg.HTTPAddr, e, a.cfg.HTTP, a.log, a.serverFailed)
+	if err != nil {
+		return err
+	}
+	a.api = api
+
+	mountAdminRoutes(a.opsRoutes, newEcho(a.log, a.metrics, "ops"), a.cfg.AdminToken, a.redis, a.jobs)
+	return nil
+}
+
+// ready is phase 16: one real probe of every gating check before the first
+// 200, so readiness never claims what the dependencies cannot back.
+func (a *app) ready(ctx context.Context, p *phaseRun) error {
+	if failing := a.health.failingGates(a.health.probe(ctx)); len(failing) > 0 {
+		return fmt.Errorf("readiness checks failing: %s", strings.Join(failing, "; "))
+	}
+	return nil
+}
+
+// becomeReady ends the boot: state → ready, and the one line an operator
+// reads first ("boot took 4.2s, of which 3.1s dbConnect").
+func (a *app) becomeReady() {
+	// The gauge is set before the state moves: once readiness can answer 200,
+	// a scrape must already see how long the boot took.
+	took := time.Since(a.born)
+	a.metrics.startupDuration.Set(took.Seconds())
+	a.lc.moveTo(StateReady)
+	slowest := a.lc.slowestPhase()
+	a.log.WithFields(logrus.Fields{"component": "lifecycle", "event": "boot_complete", "duration_ms": took.Milliseconds(),
+		"slowest_phase": slowest.Phase, "slowest_ms": slowest.DurationMs}).Info("lifecycle")
 }

@@ -7,9 +7,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// connectDB is phase 7: the pgx pool, retried with backoff. The pool's release
+// dbConnect is phase 7: the pgx pool, retried with backoff. The pool's release
 // and its readiness check are registered as soon as it answers.
-func (a *app) connectDB(ctx context.Context, p *phaseRun) error {
+func (a *app) dbConnect(ctx context.Context, p *phaseRun) error {
 	poolCfg, err := pgxpool.ParseConfig(a.cfg.DatabaseURL)
 	if err != nil {
 		// A malformed URL will not heal with retries.

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/labstack/echo/v4"
+	"github.com/robfig/cron/v3"
 )
 
 // feature is everything one feature brings, declared up front so phase 6 can
@@ -176,4 +177,13 @@ func validateFeatures(features []feature) error {
 		}
 	}
 	return errors.Join(problems...)
+}
+
+// mustSchedule parses a cron spec that phase 6 has already validated.
+func mustSchedule(spec string) cron.Schedule {
+	s, err := cronParser.Parse(spec)
+	if err != nil {
+		panic(fmt.Sprintf("cron spec %q passed bootValidation but does not parse: %v", spec, err))
+	}
+	return s
 }

@@ -115,7 +115,7 @@ func (s *inProcess) stop(t *testing.T) error {
 func TestBackgroundPanicDrainsAndFails(t *testing.T) {
 	s := startInProcess(t, fastEnv(t))
 	go func() {
-		defer s.app.recoverToShutdown("testWorker")
+		defer func() { s.app.panicked("testWorker", recover()) }()
 		panic("worker state corrupted")
 	}()
 	select {

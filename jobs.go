@@ -99,8 +99,9 @@ type jobDeps struct {
 }
 
 // newJobs creates the River client without starting it: the outbox poller
-// (phase 13) inserts jobs before the worker starts (phase 14).
-func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, tracer trace.Tracer, m *metrics) (*jobs, error) {
+// (phase 13) inserts jobs before the worker starts (phase 14). softStop is
+// how long a stop lets running jobs finish before River cancels them.
+func newJobs(d jobDeps, cfg jobsConfig, softStop time.Duration, instanceID string, features []feature, tracer trace.Tracer, m *metrics) (*jobs, error) {
 	workers := river.NewWorkers()
 	river.AddWorker(workers, river.WorkFunc(d.indexOrder))
 	river.AddWorker(workers, river.WorkFunc(d.writeReceipt))
@@ -114,6 +115,7 @@ func newJobs(d jobDeps, cfg jobsConfig, instanceID string, features []feature, t
 		FetchPollInterval:    cfg.PollInterval,
 		JobTimeout:           cfg.Timeout,
 		RescueStuckJobsAfter: cfg.RescueAfter,
+		SoftStopTimeout:      softStop,
 		Logger:               riverLogger(d.log),
 		Middleware:           []rivertype.Middleware{traceAndCountJobs(tracer, m)},
 	})
@@ -227,36 +229,31 @@ func jobForEvent(kind string, ev outboxEvent) (river.JobArgs, error) {
 // River gets a detached one and lives until Stop.
 func (j *jobs) Start(ctx context.Context) error { return j.client.Start(context.WithoutCancel(ctx)) }
 
-// Stop lets running jobs finish within ctx (River's soft stop), then cancels
-// what still runs (hard stop). A cancelled job is not lost: River retries it
-// later, here or on another instance — so, like a force-closed request, it is
-// a warning, not a failed shutdown. Stop of an unstarted client returns at once.
+// Stop is River's own soft stop: running jobs may finish for the
+// SoftStopTimeout given to newJobs, then River cancels them and logs so. A
+// cancelled job is not lost: River retries it later, here or on another
+// instance — so, like a force-closed request, it is a warning, not a failed
+// shutdown. Only when ctx, the hook's slice of the shutdown budget, ends
+// first are the jobs cancelled here. Stop of an unstarted client returns at
+// once.
 func (j *jobs) Stop(ctx context.Context) error {
-	deadline, ok := ctx.Deadline()
-	if !ok {
-		return j.client.Stop(ctx)
+	err := j.client.Stop(ctx)
+	if err == nil || ctx.Err() == nil {
+		return err
 	}
-	// Keep a fifth of the slice (up to a second) for the hard stop.
-	soft, cancel := context.WithDeadline(ctx, deadline.Add(-min(time.Second, time.Until(deadline)/5)))
+	hard, cancel := context.WithTimeout(context.WithoutCancel(ctx), abandonGrace)
 	defer cancel()
-	if err := j.client.Stop(soft); err == nil {
-		return nil
-	}
-	if err := j.client.StopAndCancel(ctx); err != nil {
+	if err := j.client.StopAndCancel(hard); err != nil {
 		return fmt.Errorf("hard stop of the jobs worker: %w", err)
 	}
-	j.log.Warn("jobs still running at the end of the soft stop were cancelled; River will run them again")
+	j.log.Warn("the shutdown budget ended before the soft stop did: running jobs were cancelled; River will run them again")
 	return nil
 }
 
 // handleRunJob is POST /admin/jobs/:name/run: run a job by hand, now, on
 // whichever instance's worker picks it up.
-func handleRunJob(jobsNow func() *jobs) echo.HandlerFunc {
+func handleRunJob(j *jobs) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		j := jobsNow()
-		if j == nil {
-			return apiError(http.StatusServiceUnavailable, "starting", "the jobs worker is not created yet")
-		}
 		var args river.JobArgs
 		switch c.Param("name") {
 		case jobReport:

@@ -256,10 +256,6 @@ func runBounded(ctx context.Context, fn func() error) error {
 	}
 }
 
-// abandonGrace is how long runBounded waits for a function whose context has
-// ended before it stops waiting.
-const abandonGrace = 100 * time.Millisecond
-
 func (lc *Lifecycle) record(rec phaseRecord, err error) {
 	lc.mu.Lock()
 	lc.timeline = append(lc.timeline, rec)
@@ -376,7 +372,7 @@ func (lc *Lifecycle) RegisterShutdownHook(name string, fn func(context.Context) 
 // one runs anyway: the DB pool must still close when the jobs worker hangs. The
 // error joins every failure. Each hook runs at most once, even if this is called
 // again.
-func (lc *Lifecycle) runShutdownHooks(ctx context.Context, step func(name string, d time.Duration, err error)) error {
+func (lc *Lifecycle) runShutdownHooks(ctx context.Context, reserve time.Duration, step func(name string, d time.Duration, err error)) error {
 	var errs []error
 	for {
 		lc.mu.Lock()
@@ -389,7 +385,7 @@ func (lc *Lifecycle) runShutdownHooks(ctx context.Context, step func(name string
 		lc.hooks = lc.hooks[:n-1]
 		lc.mu.Unlock()
 
-		hctx, cancel := context.WithDeadline(ctx, hookDeadline(ctx, n-1))
+		hctx, cancel := context.WithDeadline(ctx, hookDeadline(ctx, reserve, n-1))
 		start := time.Now()
 		err := runBounded(hctx, func() error { return hook.fn(hctx) })
 		cancel()
@@ -403,13 +399,13 @@ func (lc *Lifecycle) runShutdownHooks(ctx context.Context, step func(name string
 
 // hookDeadline gives a hook what is left of the budget minus a reserve for each
 // hook still waiting after it, so one hung hook cannot eat the time the DB pool
-// needs to close. The reserve is 1s per hook, less when the budget is small.
-func hookDeadline(ctx context.Context, hooksAfter int) time.Time {
+// needs to close. The reserve per hook is less when the budget is small.
+func hookDeadline(ctx context.Context, reserve time.Duration, hooksAfter int) time.Time {
 	deadline, ok := ctx.Deadline()
 	if !ok {
 		return time.Now().Add(time.Hour)
 	}
 	remaining := time.Until(deadline)
-	reserve := min(time.Second, remaining/time.Duration(2*(hooksAfter+1)))
+	reserve = min(reserve, remaining/time.Duration(2*(hooksAfter+1)))
 	return deadline.Add(-reserve * time.Duration(hooksAfter))
 }

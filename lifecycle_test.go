@@ -146,7 +146,7 @@ func TestShutdownHooksRunLIFOAndASlowHookDoesNotBlockTheRest(t *testing.T) {
 	defer cancel()
 	var steps []string
 	start := time.Now()
-	err := lc.runShutdownHooks(ctx, func(name string, _ time.Duration, _ error) { steps = append(steps, name) })
+	err := lc.runShutdownHooks(ctx, time.Second, func(name string, _ time.Duration, _ error) { steps = append(steps, name) })
 
 	if want := []string{"outboxPoller", "jobsWorker", "redis", "db"}; !slices.Equal(ran, want) || !slices.Equal(steps, want) {
 		t.Errorf("hooks ran %v (steps logged %v), want %v", ran, steps, want)
@@ -157,7 +157,7 @@ func TestShutdownHooksRunLIFOAndASlowHookDoesNotBlockTheRest(t *testing.T) {
 	if took := time.Since(start); took > time.Second {
 		t.Errorf("hooks took %s with a 400ms budget", took)
 	}
-	if lc.runShutdownHooks(ctx, func(string, time.Duration, error) { t.Error("a hook ran twice") }) != nil {
+	if lc.runShutdownHooks(ctx, time.Second, func(string, time.Duration, error) { t.Error("a hook ran twice") }) != nil {
 		t.Error("second run returned an error")
 	}
 }
@@ -165,7 +165,7 @@ func TestShutdownHooksRunLIFOAndASlowHookDoesNotBlockTheRest(t *testing.T) {
 func TestHookDeadlineKeepsAReserveForLaterHooks(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	d := time.Until(hookDeadline(ctx, 3))
+	d := time.Until(hookDeadline(ctx, time.Second, 3))
 	if d < 6*time.Second || d > 7*time.Second+100*time.Millisecond {
 		t.Errorf("with 3 hooks after it, a hook gets %s of 10s; want about 7s (1s reserve each)", d)
 	}

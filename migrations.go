@@ -161,11 +161,11 @@ func (mg *migrator) withContext(ctx context.Context, fn func() error) error {
 // ---------------------------------------------------------------------------
 // Phases 8 and 9
 
-// checkSchemaBaseline refuses a database that this binary can no longer migrate:
+// schemaBaseline is phase 8. It refuses a database that this binary can no longer migrate:
 // a dirty one (a migration failed half-way and needs a human) or one older than
 // the baseline the binary's migrations start from. A fresh database is left to
 // phase 9.
-func (a *app) checkSchemaBaseline(ctx context.Context, p *phaseRun) error {
+func (a *app) schemaBaseline(ctx context.Context, p *phaseRun) error {
 	baseline := a.cfg.Lifecycle.Migrations.SchemaBaseline
 	if baseline == 0 {
 		return skipPhase("KUMIKO_SCHEMA_BASELINE is not set")
@@ -196,8 +196,8 @@ func dirtySchema(version uint) error {
 	return fmt.Errorf("schema version %d is dirty: a migration failed half-way; repair the schema by hand, then record the version it is really at with `kumiko-lifecycle-demo migrate force N`", version)
 }
 
-// checkMigrations applies or reports pending migrations per KUMIKO_MIGRATIONS_MODE.
-func (a *app) checkMigrations(ctx context.Context, p *phaseRun) error {
+// migrationsCheck is phase 9: it applies or reports pending migrations per KUMIKO_MIGRATIONS_MODE.
+func (a *app) migrationsCheck(ctx context.Context, p *phaseRun) error {
 	mode := a.cfg.Lifecycle.Migrations.Mode
 	mg, err := newMigrator(a.db)
 	if err != nil {

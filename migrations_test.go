@@ -35,16 +35,16 @@ func TestMigrationModes(t *testing.T) {
 	pool := testPool(t)
 
 	p := &phaseRun{name: "migrationsCheck"}
-	err := migrationApp(t, pool, migrationsExitOnPending, 0).checkMigrations(ctx, p)
+	err := migrationApp(t, pool, migrationsExitOnPending, 0).migrationsCheck(ctx, p)
 	if err == nil || !strings.Contains(err.Error(), "pending migrations [1 2 3 4 5 6 7 8 9 10 11 12 13]") || !strings.Contains(err.Error(), "migrate up") {
 		t.Fatalf("exit-on-pending: %v", err)
 	}
 	p = &phaseRun{name: "migrationsCheck"}
-	if err := migrationApp(t, pool, migrationsWarnOnPending, 0).checkMigrations(ctx, p); err != nil || !p.warned {
+	if err := migrationApp(t, pool, migrationsWarnOnPending, 0).migrationsCheck(ctx, p); err != nil || !p.warned {
 		t.Fatalf("warn-on-pending: err %v, warned %v", err, p.warned)
 	}
 	p = &phaseRun{name: "migrationsCheck"}
-	if err := migrationApp(t, pool, migrationsAutoApply, 0).checkMigrations(ctx, p); err != nil {
+	if err := migrationApp(t, pool, migrationsAutoApply, 0).migrationsCheck(ctx, p); err != nil {
 		t.Fatalf("auto-apply: %v", err)
 	}
 	var n int
@@ -52,7 +52,7 @@ func TestMigrationModes(t *testing.T) {
 		t.Fatalf("outbox_events after auto-apply: %v", err)
 	}
 	p = &phaseRun{name: "migrationsCheck"}
-	if err := migrationApp(t, pool, migrationsExitOnPending, 0).checkMigrations(ctx, p); err != nil {
+	if err := migrationApp(t, pool, migrationsExitOnPending, 0).migrationsCheck(ctx, p); err != nil {
 		t.Fatalf("exit-on-pending with nothing pending: %v", err)
 	}
 }
@@ -71,7 +71,7 @@ func TestConcurrentAutoApplyIsSafe(t *testing.T) {
 				return
 			}
 			defer pool.Close()
-			errs[i] = migrationApp(t, pool, migrationsAutoApply, 0).checkMigrations(context.Background(), &phaseRun{})
+			errs[i] = migrationApp(t, pool, migrationsAutoApply, 0).migrationsCheck(context.Background(), &phaseRun{})
 		})
 	}
 	wg.Wait()
@@ -87,10 +87,10 @@ func TestSchemaBaseline(t *testing.T) {
 	pool := testPool(t)
 
 	p := &phaseRun{}
-	if err := migrationApp(t, pool, migrationsAutoApply, 0).checkSchemaBaseline(ctx, p); err == nil || !strings.Contains(err.Error(), "skipped") {
+	if err := migrationApp(t, pool, migrationsAutoApply, 0).schemaBaseline(ctx, p); err == nil || !strings.Contains(err.Error(), "skipped") {
 		t.Fatalf("baseline unset must skip, got %v", err)
 	}
-	if err := migrationApp(t, pool, migrationsAutoApply, 1).checkSchemaBaseline(ctx, p); err != nil {
+	if err := migrationApp(t, pool, migrationsAutoApply, 1).schemaBaseline(ctx, p); err != nil {
 		t.Fatalf("fresh database must be left to phase 9: %v", err)
 	}
 	mg, err := newMigrator(pool)
@@ -101,13 +101,13 @@ func TestSchemaBaseline(t *testing.T) {
 	if err := mg.up(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := migrationApp(t, pool, migrationsAutoApply, 14).checkSchemaBaseline(ctx, p); err == nil || !strings.Contains(err.Error(), "older than baseline 14") {
+	if err := migrationApp(t, pool, migrationsAutoApply, 14).schemaBaseline(ctx, p); err == nil || !strings.Contains(err.Error(), "older than baseline 14") {
 		t.Fatalf("version 13 under baseline 14: %v", err)
 	}
 	if _, err := pool.Exec(ctx, "UPDATE schema_migrations SET dirty = true"); err != nil {
 		t.Fatal(err)
 	}
-	if err := migrationApp(t, pool, migrationsAutoApply, 1).checkSchemaBaseline(ctx, p); err == nil || !strings.Contains(err.Error(), "migrate force") {
+	if err := migrationApp(t, pool, migrationsAutoApply, 1).schemaBaseline(ctx, p); err == nil || !strings.Contains(err.Error(), "migrate force") {
 		t.Fatalf("dirty schema: %v", err)
 	}
 	// The repair the message names: record the real version, clear the flag.

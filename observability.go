@@ -282,7 +282,8 @@ func (m *metrics) phaseDone(rec phaseRecord) {
 type tracing struct {
 	provider string
 	tracer   trace.Tracer
-	shutdown func(context.Context) error
+	flush    func(context.Context) error // sends what is recorded so far; nil for noop
+	shutdown func(context.Context) error // flushes, then closes the exporter
 }
 
 func noopTracing() tracing {
@@ -327,7 +328,7 @@ func setupTracing(ctx context.Context, getenv func(string) string, instanceID, v
 		return noopTracing(), fmt.Errorf("building the trace resource: %w", err)
 	}
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exporter), sdktrace.WithResource(res))
-	return tracing{provider: "otlp", tracer: tp.Tracer("kumiko"), shutdown: tp.Shutdown}, nil
+	return tracing{provider: "otlp", tracer: tp.Tracer("kumiko"), flush: tp.ForceFlush, shutdown: tp.Shutdown}, nil
 }
 
 // redactURL shows an endpoint without its credentials: the userinfo and the

@@ -9,8 +9,8 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-// connectRedis is phase 10: the go-redis client, retried with the same backoff as the DB.
-func (a *app) connectRedis(ctx context.Context, p *phaseRun) error {
+// redisConnect is phase 10: the go-redis client, retried with the same backoff as the DB.
+func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
 	opts, err := redis.ParseURL(a.cfg.RedisURL)
 	if err != nil {
 		return fmt.Errorf("parsing REDIS_URL: %w", err)
@@ -31,7 +31,6 @@ func (a *app) connectRedis(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	a.redis = client
-	a.redisNow.Store(client)
 	a.lc.RegisterShutdownHook("redis", func(context.Context) error { return client.Close() })
 	a.health.RegisterReadinessCheck("redis", true, func(ctx context.Context) checkResult {
 		return timedCheck(ctx, ping)

@@ -8,10 +8,6 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-// connectAttemptTimeout bounds one attempt, so a blackholed host costs one
-// attempt, not the whole retry window.
-const connectAttemptTimeout = 5 * time.Second
-
 // backoffDelay is the delay after the n-th failed attempt (n ≥ 1): base,
 // 2·base, 4·base, … capped at max — for the connect phases 1s, 2s, 4s, 8s,
 // 16s, 30s, 30s… by default; the outbox uses it for failed deliveries.
@@ -38,7 +34,7 @@ func (a *app) retry(ctx context.Context, p *phaseRun, target string, maxAttempts
 	start := time.Now()
 	log := a.log.WithFields(logrus.Fields{"component": "lifecycle", "phase": p.name, "target": target})
 	for attempt := 1; ; attempt++ {
-		actx, cancel := context.WithTimeout(ctx, connectAttemptTimeout)
+		actx, cancel := context.WithTimeout(ctx, a.timeouts.connectAttempt)
 		err := fn(actx)
 		cancel()
 		if err == nil {

@@ -22,10 +22,10 @@ const minOpenFiles = 1024
 // cgroupRoot is where cgroup v2 exposes this container's limits.
 const cgroupRoot = "/sys/fs/cgroup"
 
-// checkRuntime is phase 4: facts about the runtime that would otherwise surface
+// runtimeChecks is phase 4: facts about the runtime that would otherwise surface
 // as a mystery under load. A misconfiguration that will hurt fails the boot; a
 // suboptimal one is a warning.
-func (a *app) checkRuntime(ctx context.Context, p *phaseRun) error {
+func (a *app) runtimeChecks(ctx context.Context, p *phaseRun) error {
 	facts, warnings, err := inspectRuntime(cgroupRoot)
 	a.log.WithField("component", "lifecycle").WithField("phase", p.name).WithFields(facts).Info("runtime")
 	if err != nil {

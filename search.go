@@ -9,10 +9,10 @@ import (
 	"github.com/meilisearch/meilisearch-go"
 )
 
-// connectSearch is phase 11. Search is an optional dependency: when it is down
+// searchAdapter is phase 11. Search is an optional dependency: when it is down
 // the boot goes on and the features that use it fall back (orders search uses
 // SQL). Its readiness check is shown but never fails readiness.
-func (a *app) connectSearch(ctx context.Context, p *phaseRun) error {
+func (a *app) searchAdapter(ctx context.Context, p *phaseRun) error {
 	if a.cfg.Search.URL == "" {
 		a.health.RegisterSkipped("search", "MEILI_URL is not set")
 		return skipPhase("MEILI_URL is not set")

@@ -89,8 +89,8 @@ func (k *masterKey) open(sealed, aad []byte) ([]byte, error) {
 	return k.aead.Open(nil, sealed[:n], sealed[n:], aad)
 }
 
-// loadMasterKey is phase 3.
-func (a *app) loadMasterKey(ctx context.Context, p *phaseRun) error {
+// secrets is phase 3.
+func (a *app) secrets(ctx context.Context, p *phaseRun) error {
 	var provider masterKeyProvider
 	switch {
 	case a.cfg.MasterKeyFile != "":

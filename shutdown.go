@@ -137,10 +137,7 @@ func (a *app) shutdown(bootErr error) error {
 		req.reason = "boot failed"
 	}
 
-	budget := a.cfg.Lifecycle.ShutdownTimeout
-	if budget == 0 {
-		budget = defaultConfig().Lifecycle.ShutdownTimeout // the config never loaded
-	}
+	budget := a.timeouts.shutdown
 	ctx, cancel := context.WithTimeout(context.Background(), budget)
 	defer cancel()
 
@@ -168,107 +165,139 @@ func (a *app) shutdown(bootErr error) error {
 	return err
 }
 
-// drain is the graceful shutdown, step by step. Every step logs
-// msg=lifecycle step=<name> duration_ms=<int> and is a child span of
-// lifecycle.shutdown.
+// drain is the graceful shutdown. It reads as its timeline, one line a step.
+// Every step logs msg=lifecycle step=<name> duration_ms=<int>, sets
+// kumiko_shutdown_step_duration_seconds{step} and is a child span of
+// lifecycle.shutdown; it lasts as long as what it waits for.
+//
+//	stop request ─┬─ readiness       state → draining: /health/ready answers 503, keep-alives off
+//	              ├─ linger          KUMIKO_LINGER: serve on while the load balancer notices
+//	              ├─ closeListener   until the API port refuses new connections
+//	              ├─ sseClose        ┐ KUMIKO_DRAIN_TIMEOUT: streams get `event: shutdown`,
+//	              ├─ inFlight        ┘ requests finish; what is left then is force-closed
+//	              ├─ sseHub … db     the release hooks, newest first: the boot read backwards
+//	              │                  (sseHub, leaderElection, jobsHeartbeat, outboxPoller,
+//	              │                  jobsWorker, search, heartbeats, redis, db)
+//	              ├─ telemetryFlush  the spans of boot and drain leave the process
+//	              │                  state → stopped
+//	              └─ opsListener     probes and metrics answered until here
+//	exit 0; 1 past KUMIKO_SHUTDOWN_TIMEOUT, on a second signal, or after a panic
+//
+// A boot that failed before phase 15 has no API listener: the drain starts
+// at the release hooks then.
 func (a *app) drain(ctx context.Context, reason string) error {
 	ctx, span := a.lc.tracer().Start(ctx, "lifecycle.shutdown", trace.WithAttributes(attribute.String("reason", reason)))
-	var errs []error
+	drainCtx, cancelDrain := context.WithTimeout(ctx, a.timeouts.drain) // sseClose and inFlight share it
+	defer cancelDrain()
+	handlersDone := make(chan error, 1) // http.Server.Shutdown's result, once every handler has returned
 
-	// 1. Readiness answers 503 from this instant: the state says so, no
-	//    dependency probe is needed. Keep-alives go off first, so from the
-	//    same instant every response carries Connection: close and no client
-	//    keeps reusing this instance.
-	a.step(ctx, "readiness", func(context.Context) error {
-		if a.api != nil {
-			a.api.srv.SetKeepAlivesEnabled(false)
-		}
-		a.lc.advanceTo(StateDraining)
-		return nil
-	})
-
+	a.step(ctx, "readiness", a.stopBeingReady)
 	if a.api != nil {
-		// 2. Linger: keep serving while the load balancer notices the 503 and
-		//    moves traffic.
-		a.step(ctx, "linger", func(ctx context.Context) error { return sleepCtx(ctx, a.cfg.Lifecycle.Linger) })
-
-		// 3. Close the API listener: new connections are refused from here on.
-		//    http.Server.Shutdown closes it at once, then waits for the handlers
-		//    in flight; step 5 collects that wait.
-		drainCtx, cancelDrain := context.WithTimeout(ctx, a.cfg.Lifecycle.DrainTimeout)
-		defer cancelDrain()
-		idle := make(chan error, 1)
-		a.step(ctx, "closeListener", func(ctx context.Context) error {
-			go func() { idle <- a.api.srv.Shutdown(drainCtx) }()
-			select { // the step ends when the port refuses, not when Shutdown was asked
-			case <-a.api.closed:
-				return nil
-			case <-ctx.Done():
-				return context.Cause(ctx)
-			}
-		})
-
-		// 4. End the event streams with `event: shutdown` and a retry hint.
-		//    http.Server.Shutdown never ends a streaming response by itself,
-		//    and streams are not in-flight requests: the drain would otherwise
-		//    always run into its timeout. This step runs on the drain budget: a
-		//    client that stopped reading cannot take its goodbye, so what is
-		//    left when the budget ends is force-closed (its write deadline
-		//    pulled to now), and the release hooks below keep their share.
-		//    Steps 4 and 5 share the one drain budget, drainCtx.
-		a.step(ctx, "sseClose", func(ctx context.Context) error {
-			asked, forced, err := a.sse.closeStreams(drainCtx, ctx)
-			// streams_open is kumiko_sse_streams now: 0 unless a handler outlived its force-close.
-			entry := a.log.WithFields(logrus.Fields{"component": "sse", "streams": asked, "forced": forced, "streams_open": a.sse.openStreams()})
-			if forced > 0 {
-				entry.WithField("drain_timeout_ms", a.cfg.Lifecycle.DrainTimeout.Milliseconds()).Warn("drain timeout: force-closed event streams that did not end")
-			} else {
-				entry.Info("event streams closed")
-			}
-			return err
-		})
-
-		// 5. Wait for in-flight requests up to KUMIKO_DRAIN_TIMEOUT, then
-		//    force-close what is left, with a warning and a metric. Shutdown
-		//    may also time out on the connections of streams step 4 has just
-		//    force-closed: those are no requests, so no warning for them.
-		a.step(ctx, "inFlight", func(context.Context) error {
-			if err := <-idle; err != nil {
-				if n := a.inFlight.Load(); n > 0 {
-					a.metrics.shutdownForced.Add(float64(n))
-					a.log.WithFields(logrus.Fields{"component": "lifecycle", "step": "inFlight", "requests": n,
-						"drain_timeout_ms": a.cfg.Lifecycle.DrainTimeout.Milliseconds()}).Warn("drain timeout: force-closing requests still in flight")
-				}
-				a.api.srv.Close()
-			}
-			<-a.api.done
-			return nil
-		})
+		a.step(ctx, "linger", func(ctx context.Context) error { return sleepCtx(ctx, a.timeouts.linger) })
+		a.step(ctx, "closeListener", func(ctx context.Context) error { return a.closeAPIListener(ctx, drainCtx, handlersDone) })
+		a.step(ctx, "sseClose", func(ctx context.Context) error { return a.closeStreams(drainCtx, ctx) })
+		a.step(ctx, "inFlight", func(context.Context) error { return a.awaitInFlight(handlersDone) })
 	}
-
-	// 6–7. Release everything the boot acquired, newest first: the workers,
-	//      then heartbeats, storage, search, Redis and the DB pool. Each is a
-	//      shutdown hook registered right after its acquisition.
-	if err := a.lc.runShutdownHooks(ctx, func(name string, took time.Duration, err error) {
+	releaseErr := a.lc.runShutdownHooks(ctx, a.timeouts.hookReserve, func(name string, took time.Duration, err error) {
 		a.stepDone(ctx, name, time.Now().Add(-took), err)
-	}); err != nil {
-		errs = append(errs, err)
-	}
-
-	// 8. State → stopped, then flush the traces of boot and drain.
+	})
+	a.step(ctx, "telemetryFlush", a.flushTelemetry)
 	a.lc.advanceTo(StateStopped)
-	span.End()
-	a.step(ctx, "telemetryFlush", func(ctx context.Context) error { return a.flushTelemetry(ctx) })
-
-	// 9. Close the ops listener last: probes and metrics answered until here.
 	if a.ops != nil {
-		a.step(ctx, "opsListener", func(context.Context) error {
-			err := a.ops.srv.Close()
-			<-a.ops.done
-			return err
-		})
+		a.step(ctx, "opsListener", a.closeOpsListener)
 	}
-	return errors.Join(errs...)
+
+	span.End()
+	a.closeTelemetry(ctx) // sends the spans of the last two steps and of the drain itself
+	return releaseErr
+}
+
+// stopBeingReady: readiness answers 503 from this instant, the state says so
+// and no dependency probe is needed. Keep-alives go off first, so from the same
+// instant every response carries Connection: close and no client keeps reusing
+// this instance.
+func (a *app) stopBeingReady(context.Context) error {
+	if a.api != nil {
+		a.api.srv.SetKeepAlivesEnabled(false)
+	}
+	a.lc.advanceTo(StateDraining)
+	return nil
+}
+
+// closeAPIListener refuses new connections. http.Server.Shutdown closes the
+// listener at once, then waits for the handlers in flight until drainCtx
+// ends; awaitInFlight collects that wait. The step ends when the port
+// refuses, not when Shutdown was asked.
+func (a *app) closeAPIListener(ctx, drainCtx context.Context, handlersDone chan<- error) error {
+	go func() { handlersDone <- a.api.srv.Shutdown(drainCtx) }()
+	select {
+	case <-a.api.closed:
+		return nil
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+}
+
+// closeStreams ends the event streams with `event: shutdown` and a retry
+// hint. http.Server.Shutdown never ends a streaming response by itself, and
+// streams are not in-flight requests: the drain would otherwise always run
+// into its timeout. A client that stopped reading cannot take its goodbye, so
+// what is left when drainCtx ends is force-closed (its write deadline pulled
+// to now), and the release hooks keep their share of the budget.
+func (a *app) closeStreams(drainCtx, ctx context.Context) error {
+	asked, forced, err := a.sse.closeStreams(drainCtx, ctx)
+	// streams_open is kumiko_sse_streams now: 0 unless a handler outlived its force-close.
+	entry := a.log.WithFields(logrus.Fields{"component": "sse", "streams": asked, "forced": forced, "streams_open": a.sse.openStreams()})
+	if forced > 0 {
+		entry.WithField("drain_timeout_ms", a.timeouts.drain.Milliseconds()).Warn("drain timeout: force-closed event streams that did not end")
+	} else {
+		entry.Info("event streams closed")
+	}
+	return err
+}
+
+// awaitInFlight waits for the requests in flight until the drain budget ends,
+// then force-closes what is left, with a warning and a metric. Shutdown may
+// also time out on the connections of streams closeStreams has just
+// force-closed: those are no requests, so no warning for them.
+func (a *app) awaitInFlight(handlersDone <-chan error) error {
+	if err := <-handlersDone; err != nil {
+		if n := a.inFlight.Load(); n > 0 {
+			a.metrics.shutdownForced.Add(float64(n))
+			a.log.WithFields(logrus.Fields{"component": "lifecycle", "step": "inFlight", "requests": n,
+				"drain_timeout_ms": a.timeouts.drain.Milliseconds()}).Warn("drain timeout: force-closing requests still in flight")
+		}
+		a.api.srv.Close()
+	}
+	<-a.api.done
+	return nil
+}
+
+// flushTelemetry sends the spans recorded so far; the exporter stays open
+// for the spans of the steps still to come.
+func (a *app) flushTelemetry(ctx context.Context) error {
+	if a.tracing.flush == nil {
+		return nil
+	}
+	return a.tracing.flush(ctx)
+}
+
+// closeOpsListener closes the ops port last: probes and metrics answered until here.
+func (a *app) closeOpsListener(context.Context) error {
+	err := a.ops.srv.Close()
+	<-a.ops.done
+	return err
+}
+
+// closeTelemetry shuts the exporter down, which sends what it still holds.
+// It is no step of its own: its span could never be sent.
+func (a *app) closeTelemetry(ctx context.Context) {
+	if a.tracing.shutdown == nil {
+		return
+	}
+	if err := a.tracing.shutdown(ctx); err != nil {
+		a.log.WithField("component", "lifecycle").WithError(err).Warn("closing the trace exporter")
+	}
 }
 
 // step runs one drain step and logs it.
@@ -289,13 +318,6 @@ func (a *app) stepDone(ctx context.Context, name string, start time.Time, err er
 		entry.Info("lifecycle")
 	}
 	span.End()
-}
-
-func (a *app) flushTelemetry(ctx context.Context) error {
-	if a.tracing.shutdown == nil {
-		return nil
-	}
-	return a.tracing.shutdown(ctx)
 }
 
 // sleepCtx sleeps for d or until ctx ends.

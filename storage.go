@@ -8,10 +8,10 @@ import (
 	"github.com/minio/minio-go/v7/pkg/credentials"
 )
 
-// connectStorage is phase 12: the S3-compatible bucket, created when missing.
+// fileStorage is phase 12: the S3-compatible bucket, created when missing.
 // Like search it is optional: when it is down the boot goes on and the features
 // that write objects degrade; its readiness check never fails readiness.
-func (a *app) connectStorage(ctx context.Context, p *phaseRun) error {
+func (a *app) fileStorage(ctx context.Context, p *phaseRun) error {
 	s := a.cfg.Storage
 	if s.Endpoint == "" {
 		a.health.RegisterSkipped("storage", "S3_ENDPOINT is not set")

@@ -1,0 +1,48 @@
+package main
+
+import "time"
+
+// timeouts is every deadline of the lifecycle, decided here and nowhere
+// else: boot.go, shutdown.go and the components are given theirs.
+type timeouts struct {
+	// The boot.
+	boot           time.Duration // process start → ready: KUMIKO_STARTUP_TIMEOUT
+	phase          time.Duration // any one startup phase: KUMIKO_PHASE_TIMEOUT
+	connect        time.Duration // the retry window of a connect phase: KUMIKO_CONNECT_MAX_WAIT
+	connectAttempt time.Duration // one attempt, so a blackholed host costs an attempt, not the window
+
+	// The drain.
+	shutdown time.Duration // signal → exit: KUMIKO_SHUTDOWN_TIMEOUT
+	linger   time.Duration // KUMIKO_LINGER
+	drain    time.Duration // steps sseClose and inFlight together: KUMIKO_DRAIN_TIMEOUT
+	// Kept back for each release hook still waiting, so one hung hook cannot
+	// eat the time the DB pool needs to close.
+	hookReserve time.Duration
+	// River's SoftStopTimeout: running jobs may finish for this long, then
+	// River cancels them (they are retried, here or elsewhere). Half of what
+	// the release hooks are sure to have, so the hooks after it keep theirs.
+	jobsSoftStop time.Duration
+}
+
+// configPhaseTimeout bounds phase 1, which runs before the config that times
+// everything else is known.
+const configPhaseTimeout = 30 * time.Second
+
+// abandonGrace is how long a function whose context has ended may take to
+// return its own, more telling error before the lifecycle stops waiting for it.
+const abandonGrace = 100 * time.Millisecond
+
+func lifecycleTimeouts(l lifecycleConfig) timeouts {
+	releases := l.ShutdownTimeout - l.Linger - l.DrainTimeout // > 0: config validation says so
+	return timeouts{
+		boot:           l.StartupTimeout,
+		phase:          l.PhaseTimeout,
+		connect:        l.ConnectMaxWait,
+		connectAttempt: min(5*time.Second, l.ConnectMaxWait),
+		shutdown:       l.ShutdownTimeout,
+		linger:         l.Linger,
+		drain:          l.DrainTimeout,
+		hookReserve:    time.Second,
+		jobsSoftStop:   max(releases/2, abandonGrace),
+	}
+}
