@@ -189,3 +189,22 @@ func TestValidateFeaturesListsEveryProblem(t *testing.T) {
 		}
 	}
 }
+
+// Every lifecycle deadline comes from the config through lifecycleTimeouts:
+// River's soft stop gets half of what the release hooks are sure to have, and
+// a connect attempt never outlasts its window.
+func TestLifecycleTimeoutsAreDerivedFromTheConfig(t *testing.T) {
+	l := defaultConfig().Lifecycle
+	l.ShutdownTimeout, l.Linger, l.DrainTimeout, l.ConnectMaxWait = 40*time.Second, 3*time.Second, 30*time.Second, 2*time.Second
+	got := lifecycleTimeouts(l)
+	if got.jobsSoftStop != 3500*time.Millisecond {
+		t.Errorf("jobsSoftStop = %s, want (40s − 3s − 30s) / 2 = 3.5s", got.jobsSoftStop)
+	}
+	if got.connectAttempt != 2*time.Second {
+		t.Errorf("connectAttempt = %s, want the 2s connect window", got.connectAttempt)
+	}
+	if got.shutdown != l.ShutdownTimeout || got.drain != l.DrainTimeout || got.linger != l.Linger ||
+		got.boot != l.StartupTimeout || got.phase != l.PhaseTimeout || got.connect != l.ConnectMaxWait {
+		t.Errorf("lifecycleTimeouts(%+v) = %+v: a configured deadline was not passed through", l, got)
+	}
+}
