@@ -1,6 +1,8 @@
 package main
 
 import (
+	"bufio"
+	"io"
 	"net"
 	"net/http"
 	"strings"
@@ -177,6 +179,49 @@ func TestProcessSIGTERMDrain(t *testing.T) {
 	// linger 0.5s + the rest of a 1.5s request + margin for a loaded CI machine.
 	if took := time.Since(start); took > 4*time.Second {
 		t.Errorf("SIGTERM to exit took %s", took)
+	}
+}
+
+// A keep-alive connection that is idle when SIGTERM arrives stays open through
+// the linger: a load balancer that has not yet seen the 503 may send its next
+// request on it at that very moment. The request is answered, with
+// Connection: close, and only then is the connection closed.
+func TestProcessIdleKeepAliveSurvivesTheStartOfTheDrain(t *testing.T) {
+	env := fastEnv(t)
+	env["KUMIKO_LINGER"] = "3s"
+	p := startProc(t, env)
+	_, api := p.waitReady()
+
+	conn, err := net.DialTimeout("tcp", strings.TrimPrefix(api, "http://"), time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	r := bufio.NewReader(conn)
+	ask := func() (*http.Response, error) {
+		conn.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.WriteString(conn, "GET /health HTTP/1.1\r\nHost: api\r\n\r\n"); err != nil {
+			return nil, err
+		}
+		resp, err := http.ReadResponse(r, nil)
+		if err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}
+		return resp, err
+	}
+	if resp, err := ask(); err != nil || resp.StatusCode != 200 || resp.Close {
+		t.Fatalf("before SIGTERM: %v %v, want 200 keep-alive", resp, err)
+	}
+
+	p.signal(syscall.SIGTERM)
+	p.waitLog(2*time.Second, map[string]any{"step": "readiness"})
+	resp, err := ask()
+	if err != nil || resp.StatusCode != 200 || !resp.Close {
+		t.Fatalf("on the idle connection, during the linger: %v %v; want 200 with Connection: close", resp, err)
+	}
+	if code := p.wait(15 * time.Second); code != 0 {
+		t.Fatalf("exit code %d, want 0", code)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"os"
 	"os/signal"
 	"sync"
@@ -170,7 +171,7 @@ func (a *app) shutdown(bootErr error) error {
 // kumiko_shutdown_step_duration_seconds{step} and is a child span of
 // lifecycle.shutdown; it lasts as long as what it waits for.
 //
-//	stop request ─┬─ readiness       state → draining: /health/ready answers 503, keep-alives off
+//	stop request ─┬─ readiness       state → draining: /health/ready answers 503, responses say Connection: close
 //	              ├─ linger          KUMIKO_LINGER: serve on while the load balancer notices
 //	              ├─ closeListener   until the API port refuses new connections
 //	              ├─ sseClose        ┐ KUMIKO_DRAIN_TIMEOUT: streams get `event: shutdown`,
@@ -213,15 +214,28 @@ func (a *app) drain(ctx context.Context, reason string) error {
 }
 
 // stopBeingReady: readiness answers 503 from this instant, the state says so
-// and no dependency probe is needed. Keep-alives go off first, so from the same
-// instant every response carries Connection: close and no client keeps reusing
+// and no dependency probe is needed. From the same instant every API response
+// carries Connection: close (closeAfterDraining), so no client keeps reusing
 // this instance.
 func (a *app) stopBeingReady(context.Context) error {
-	if a.api != nil {
-		a.api.srv.SetKeepAlivesEnabled(false)
-	}
 	a.lc.advanceTo(StateDraining)
 	return nil
+}
+
+// closeAfterDraining closes each API connection after its next response once
+// the drain has begun. http.Server.SetKeepAlivesEnabled(false) would also close
+// the idle connections at once, under a load balancer that has not yet seen
+// the 503 and may be sending a request on one of them that very moment:
+// HAProxy then drops its client's connection without an answer (a POST is not
+// retried). A connection that answers first is closed cleanly; the idle ones
+// are closed by closeListener, after the linger, when no traffic comes.
+func closeAfterDraining(lc *Lifecycle, h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if lc.State() >= StateDraining {
+			w.Header().Set("Connection", "close")
+		}
+		h.ServeHTTP(w, r)
+	})
 }
 
 // closeAPIListener refuses new connections. http.Server.Shutdown closes the

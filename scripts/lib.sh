@@ -111,9 +111,14 @@ wait_ready() {
 }
 
 # start_lb starts HAProxy on LB_PORT in front of app1 and app2; it takes an
-# instance out of the pool as soon as its /health/ready answers 503.
+# instance out of the pool as soon as its /health/ready answers 503. With
+# LB_STRICT=1 it never retries nor sends a request elsewhere: every request
+# the drain loses is a failed request.
 start_lb() {
-  local haproxy
+  local haproxy retry="retries 2
+  option redispatch"
+  [[ ${LB_STRICT:-0} == 1 ]] && retry="retries 0
+  no option redispatch"
   haproxy=$(command -v haproxy || echo /usr/sbin/haproxy)
   cat >"$DIR/haproxy.cfg" <<CFG
 defaults
@@ -121,8 +126,7 @@ defaults
   timeout connect 2s
   timeout client 70s
   timeout server 70s # above KUMIKO_SLOW_MAX (60s): HAProxy never cuts a request the app would finish
-  retries 2
-  option redispatch
+  $retry
   option forwardfor # the client's address, believed by the apps from 127.0.0.1 only
 frontend api
   bind 127.0.0.1:$LB_PORT
