@@ -91,8 +91,8 @@ report() { # report NAME FILE: one summary line, and the number of failed reques
   json=$(vegeta report -type=json "$2")
   total=$(grep -o '"requests":[0-9]*' <<<"$json" | cut -d: -f2)
   local s200 s201
-  s200=$(grep -o '"200":[0-9]*' <<<"$json" | cut -d: -f2)
-  s201=$(grep -o '"201":[0-9]*' <<<"$json" | cut -d: -f2)
+  s200=$(grep -o '"200":[0-9]*' <<<"$json" | cut -d: -f2 || true)
+  s201=$(grep -o '"201":[0-9]*' <<<"$json" | cut -d: -f2 || true) # POSTs, with LOAD=orders
   ok=$((${s200:-0} + ${s201:-0}))
   p50=$(grep -o '"50th":[0-9]*' <<<"$json" | cut -d: -f2)
   p99=$(grep -o '"99th":[0-9]*' <<<"$json" | cut -d: -f2)
