@@ -294,7 +294,7 @@ func defaultConfig() config {
 	var c config
 	for _, s := range c.settings() {
 		if err := s.value.set(s.def); err != nil {
-			// A typo in the table above; TestDefaultsAreValid catches it before any build ships.
+			// A typo in the table above; TestLoadConfigDefaults catches it.
 			panic(fmt.Sprintf("config: the default of %s: %v", s.key, err))
 		}
 	}
