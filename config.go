@@ -30,77 +30,77 @@ const redactedMark = "[redacted]"
 
 // config is the service configuration. loadConfig fills it from, in rising
 // precedence, built-in defaults, kumiko.config.yaml and the environment.
+// Each field is declared here by name and type only: its file key,
+// environment name, default, rules and meaning are its one line in settings().
 type config struct {
-	InstanceID    string // names this replica in leader election, heartbeats and logs
-	HTTPAddr      string // public API listener
-	OpsAddr       string // health, readiness and metrics listener
-	LogFormat     string // "text" or "json"
-	AdminToken    string // bearer token for the admin routes; empty turns them off
-	DatabaseURL   string // postgres:// URL
-	RedisURL      string // redis://, rediss:// or unix:// URL
+	InstanceID    string
+	HTTPAddr      string
+	OpsAddr       string
+	LogFormat     string
+	AdminToken    string
+	DatabaseURL   string
+	RedisURL      string
 	Search        searchConfig
 	Storage       storageConfig
 	MasterKey     string // decoded and checked where it is used, not here
-	MasterKeyFile string // alternative to MasterKey, for mounted secrets
+	MasterKeyFile string
 	Outbox        outboxConfig
 	SSE           sseConfig
 	Jobs          jobsConfig
 	HTTP          httpConfig
 	Lifecycle     lifecycleConfig
+
+	// deprecated lists the old file keys that were read, for phase 1 to warn about.
+	deprecated []deprecatedKey
 }
 
 type outboxConfig struct {
-	BatchSize    uint          // events claimed and delivered per transaction
-	PollInterval time.Duration // fallback when no NOTIFY arrives
-	Listen       bool          // LISTEN for inserts; off behind PgBouncer in transaction mode
-	MaxAttempts  uint          // failed deliveries before an event is dead
-	RetryBase    time.Duration // first delay after a failed delivery; doubles
-	RetryMax     time.Duration // cap on that delay
-	Retention    time.Duration // delivered events older than this are deleted (dead ones are kept)
-	PurgeCron    string        // when the leader enqueues the retention job
+	BatchSize    uint
+	PollInterval time.Duration
+	Listen       bool
+	MaxAttempts  uint
+	RetryBase    time.Duration
+	RetryMax     time.Duration
+	Retention    time.Duration
+	PurgeCron    string
 }
 
 type jobsConfig struct {
-	Workers      uint          // jobs worked at once by this instance
-	PollInterval time.Duration // River's fetch poll, the fallback to its LISTEN
-	Timeout      time.Duration // a job running longer is cancelled
-	RescueAfter  time.Duration // a job still running after this belonged to a crashed worker: run it again
-	ReportCron   string        // when the leader enqueues the periodic report
+	Workers      uint
+	PollInterval time.Duration
+	Timeout      time.Duration
+	RescueAfter  time.Duration
+	ReportCron   string
 }
 
 type sseConfig struct {
-	MaxStreams uint          // open event streams per instance; beyond, 503
-	Heartbeat  time.Duration // comment lines that keep idle proxies from closing a stream
-	RetryHint  time.Duration // the retry: a client waits before reconnecting
-	// A write (replay, event, ping, goodbye) that cannot reach the client within
-	// this ends the stream, so a reader that stopped reading cannot pin a handler.
+	MaxStreams      uint
+	Heartbeat       time.Duration
+	RetryHint       time.Duration
 	WriteTimeout    time.Duration
-	MaxStreamsPerIP uint // open streams per client address; beyond, 429; 0 turns the cap off
+	MaxStreamsPerIP uint
 }
 
 // httpConfig bounds what a client can hold on both listeners and how fast one
 // client IP may call the public API.
 type httpConfig struct {
-	ReadHeaderTimeout time.Duration // slowloris: the request headers must arrive within this
-	ReadTimeout       time.Duration // body read deadline of a non-streaming request
-	IdleTimeout       time.Duration // an idle keep-alive connection is closed after this
-	RateLimit         uint          // API requests per second per client IP; 0 turns the limit off
-	RateBurst         uint          // requests one client IP may send at once
-	SlowMax           time.Duration // cap on GET /api/slow?ms=
-	DemoEndpoints     bool          // serve /api/slow; off in production manifests
-	// Proxies whose X-Forwarded-For is believed (the load balancer): behind
-	// them, the client address of the rate limit and the stream cap is the
-	// one they forwarded. Empty: the connection's own address, always.
-	TrustedProxies []netip.Prefix
+	ReadHeaderTimeout time.Duration
+	ReadTimeout       time.Duration
+	IdleTimeout       time.Duration
+	RateLimit         uint
+	RateBurst         uint
+	SlowMax           time.Duration
+	DemoEndpoints     bool
+	TrustedProxies    []netip.Prefix
 }
 
 type searchConfig struct {
-	URL    string // Meilisearch; empty turns search off
+	URL    string
 	APIKey string
 }
 
 type storageConfig struct {
-	Endpoint  string // S3 host:port; empty turns object storage off
+	Endpoint  string
 	AccessKey string
 	SecretKey string
 	Bucket    string
@@ -108,25 +108,23 @@ type storageConfig struct {
 }
 
 type lifecycleConfig struct {
-	StartupTimeout  time.Duration // from start to ready
-	ShutdownTimeout time.Duration // from the stop signal to exit
-	Linger          time.Duration // keep serving after turning unready, so load balancers notice
-	DrainTimeout    time.Duration // wait for in-flight requests
-	PhaseTimeout    time.Duration // any single startup or shutdown phase
-
-	ConnectMaxWait   time.Duration // give up on an unreachable dependency after this
-	ConnectRetryBase time.Duration // first retry delay; doubles on each attempt
-	ConnectRetryMax  time.Duration // cap on a single retry delay
-
-	Migrations     migrationsConfig
-	LeaderElection leaderElectionConfig
-	Heartbeat      heartbeatConfig
-	Readiness      readinessConfig
+	StartupTimeout   time.Duration
+	ShutdownTimeout  time.Duration
+	Linger           time.Duration
+	DrainTimeout     time.Duration
+	PhaseTimeout     time.Duration
+	ConnectMaxWait   time.Duration
+	ConnectRetryBase time.Duration
+	ConnectRetryMax  time.Duration
+	Migrations       migrationsConfig
+	LeaderElection   leaderElectionConfig
+	Heartbeat        heartbeatConfig
+	Readiness        readinessConfig
 }
 
 type migrationsConfig struct {
-	Mode           string // "exit-on-pending", "auto-apply" or "warn-on-pending"
-	SchemaBaseline uint   // a migration version; 0 means off
+	Mode           string
+	SchemaBaseline uint
 }
 
 type leaderElectionConfig struct {
@@ -142,118 +140,173 @@ type heartbeatConfig struct {
 
 type readinessConfig struct {
 	ProbeTimeout time.Duration
-	CacheTTL     time.Duration // reuse a probe result this long, so frequent polling stays cheap
+	CacheTTL     time.Duration
 }
 
-func defaultConfig() config {
-	return config{
-		HTTPAddr:  ":8080",
-		OpsAddr:   ":9090",
-		LogFormat: "text",
-		Storage:   storageConfig{Bucket: "kumiko-demo"},
-		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, Listen: true, MaxAttempts: 10,
-			RetryBase: time.Second, RetryMax: 5 * time.Minute, Retention: 7 * 24 * time.Hour, PurgeCron: "@hourly"},
-		HTTP: httpConfig{ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 15 * time.Second, IdleTimeout: 60 * time.Second,
-			RateLimit: 500, RateBurst: 1000, SlowMax: 60 * time.Second, DemoEndpoints: true},
-		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second,
-			WriteTimeout: 10 * time.Second, MaxStreamsPerIP: 20},
-		Jobs: jobsConfig{Workers: 10, PollInterval: time.Second, Timeout: time.Minute, RescueAfter: time.Hour,
-			ReportCron: "*/5 * * * *"},
-		Lifecycle: lifecycleConfig{
-			StartupTimeout:   120 * time.Second,
-			ShutdownTimeout:  40 * time.Second,
-			Linger:           3 * time.Second,
-			DrainTimeout:     30 * time.Second,
-			PhaseTimeout:     30 * time.Second,
-			ConnectMaxWait:   5 * time.Minute,
-			ConnectRetryBase: 1 * time.Second,
-			ConnectRetryMax:  30 * time.Second,
-			Migrations:       migrationsConfig{Mode: "exit-on-pending"},
-			LeaderElection: leaderElectionConfig{
-				Enabled:       true,
-				LockTTL:       15 * time.Second,
-				RenewInterval: 5 * time.Second,
-			},
-			Heartbeat: heartbeatConfig{Interval: 5 * time.Second, TTL: 10 * time.Second},
-			Readiness: readinessConfig{ProbeTimeout: 1 * time.Second, CacheTTL: 1 * time.Second},
-		},
-	}
-}
-
-// configSetting ties one config field to its names in the file and the environment.
+// configSetting declares one setting completely. The file key says what the
+// environment name says, with no unit in it: every duration takes Go syntax
+// (250ms, 1m30s) or bare seconds (3, 0.5).
 type configSetting struct {
-	yaml  string       // dotted path in kumiko.config.yaml
-	env   string       // environment variable
-	value settingValue // parses into the config field and renders it for the log
+	key      string       // dotted path in kumiko.config.yaml
+	env      string       // environment variable
+	def      string       // the default, written as in the file; parsed by value
+	value    settingValue // parses into the config field, checks its rules, renders it for the log
+	doc      string       // one line for the README and the example file
+	required bool         // loading fails while it is empty
+	old      string       // a former file key, still read with a warning
 }
 
-// settings is the one place where every setting is named. The values point
+// settings is the one place where each setting is declared. The values point
 // into c, so setting one writes the config.
 func (c *config) settings() []configSetting {
 	l := &c.Lifecycle
-	migrationModes := []string{"exit-on-pending", "auto-apply", "warn-on-pending"}
 	return []configSetting{
-		{"instanceId", "KUMIKO_INSTANCE_ID", textValue{p: &c.InstanceID}},
-		{"http.addr", "KUMIKO_HTTP_ADDR", addrValue{p: &c.HTTPAddr}},
-		{"ops.addr", "KUMIKO_OPS_ADDR", addrValue{p: &c.OpsAddr}},
-		{"log.format", "KUMIKO_LOG_FORMAT", choiceValue{p: &c.LogFormat, allowed: []string{"text", "json"}}},
-		{"admin.token", "KUMIKO_ADMIN_TOKEN", secretValue{p: &c.AdminToken, minLen: 16}},
-		{"database.url", "DATABASE_URL", urlValue{p: &c.DatabaseURL, schemes: []string{"postgres", "postgresql"}}},
-		{"redis.url", "REDIS_URL", urlValue{p: &c.RedisURL, schemes: []string{"redis", "rediss", "unix"}}},
-		{"search.url", "MEILI_URL", urlValue{p: &c.Search.URL, schemes: []string{"http", "https"}}},
-		{"search.apiKey", "MEILI_API_KEY", secretValue{p: &c.Search.APIKey}},
-		{"storage.endpoint", "S3_ENDPOINT", addrValue{p: &c.Storage.Endpoint, optional: true}},
-		{"storage.accessKey", "S3_ACCESS_KEY", secretValue{p: &c.Storage.AccessKey}},
-		{"storage.secretKey", "S3_SECRET_KEY", secretValue{p: &c.Storage.SecretKey}},
-		{"storage.bucket", "S3_BUCKET", textValue{p: &c.Storage.Bucket}},
-		{"storage.useSSL", "S3_USE_SSL", boolValue{p: &c.Storage.UseSSL}},
-		{"secrets.masterKey", "KUMIKO_MASTER_KEY", secretValue{p: &c.MasterKey}},
-		{"secrets.masterKeyFile", "KUMIKO_MASTER_KEY_FILE", textValue{p: &c.MasterKeyFile}},
-		{"outbox.batchSize", "KUMIKO_OUTBOX_BATCH_SIZE", uintValue{p: &c.Outbox.BatchSize}},
-		{"outbox.pollIntervalSec", "KUMIKO_OUTBOX_POLL_INTERVAL", durationValue{p: &c.Outbox.PollInterval}},
-		{"outbox.listen", "KUMIKO_OUTBOX_LISTEN", boolValue{p: &c.Outbox.Listen}},
-		{"outbox.maxAttempts", "KUMIKO_OUTBOX_MAX_ATTEMPTS", uintValue{p: &c.Outbox.MaxAttempts}},
-		{"outbox.retryBaseSec", "KUMIKO_OUTBOX_RETRY_BASE", durationValue{p: &c.Outbox.RetryBase}},
-		{"outbox.retryMaxSec", "KUMIKO_OUTBOX_RETRY_MAX", durationValue{p: &c.Outbox.RetryMax}},
-		{"outbox.retentionSec", "KUMIKO_OUTBOX_RETENTION", durationValue{p: &c.Outbox.Retention}},
-		{"outbox.purgeCron", "KUMIKO_OUTBOX_PURGE_CRON", textValue{p: &c.Outbox.PurgeCron}},
-		{"jobs.workers", "KUMIKO_JOBS_WORKERS", uintValue{p: &c.Jobs.Workers}},
-		{"jobs.pollIntervalSec", "KUMIKO_JOBS_POLL_INTERVAL", durationValue{p: &c.Jobs.PollInterval}},
-		{"jobs.timeoutSec", "KUMIKO_JOBS_TIMEOUT", durationValue{p: &c.Jobs.Timeout}},
-		{"jobs.rescueAfterSec", "KUMIKO_JOBS_RESCUE_AFTER", durationValue{p: &c.Jobs.RescueAfter}},
-		{"jobs.reportCron", "KUMIKO_REPORT_CRON", textValue{p: &c.Jobs.ReportCron}},
-		{"http.readHeaderTimeoutSec", "KUMIKO_HTTP_READ_HEADER_TIMEOUT", durationValue{p: &c.HTTP.ReadHeaderTimeout}},
-		{"http.readTimeoutSec", "KUMIKO_HTTP_READ_TIMEOUT", durationValue{p: &c.HTTP.ReadTimeout}},
-		{"http.idleTimeoutSec", "KUMIKO_HTTP_IDLE_TIMEOUT", durationValue{p: &c.HTTP.IdleTimeout}},
-		{"http.rateLimit", "KUMIKO_API_RATE_LIMIT", uintValue{p: &c.HTTP.RateLimit}},
-		{"http.rateBurst", "KUMIKO_API_RATE_BURST", uintValue{p: &c.HTTP.RateBurst}},
-		{"http.slowMaxSec", "KUMIKO_SLOW_MAX", durationValue{p: &c.HTTP.SlowMax}},
-		{"http.demoEndpoints", "KUMIKO_DEMO_ENDPOINTS", boolValue{p: &c.HTTP.DemoEndpoints}},
-		{"http.trustedProxies", "KUMIKO_TRUSTED_PROXIES", prefixListValue{p: &c.HTTP.TrustedProxies}},
-		{"sse.maxStreams", "KUMIKO_SSE_MAX_STREAMS", uintValue{p: &c.SSE.MaxStreams}},
-		{"sse.heartbeatSec", "KUMIKO_SSE_HEARTBEAT", durationValue{p: &c.SSE.Heartbeat}},
-		{"sse.retrySec", "KUMIKO_SSE_RETRY", durationValue{p: &c.SSE.RetryHint}},
-		{"sse.writeTimeoutSec", "KUMIKO_SSE_WRITE_TIMEOUT", durationValue{p: &c.SSE.WriteTimeout}},
-		{"sse.maxStreamsPerIp", "KUMIKO_SSE_MAX_STREAMS_PER_IP", uintValue{p: &c.SSE.MaxStreamsPerIP}},
+		{key: "instanceId", env: "KUMIKO_INSTANCE_ID", value: textValue{p: &c.InstanceID},
+			doc: "names this replica in leader election, heartbeats and logs; empty: the host name plus a random suffix"},
+		{key: "log.format", env: "KUMIKO_LOG_FORMAT", def: "text", value: choiceValue{p: &c.LogFormat, allowed: []string{"text", "json"}},
+			doc: "log line format"},
 
-		{"lifecycle.startupTimeoutSec", "KUMIKO_STARTUP_TIMEOUT", durationValue{p: &l.StartupTimeout}},
-		{"lifecycle.shutdownTimeoutSec", "KUMIKO_SHUTDOWN_TIMEOUT", durationValue{p: &l.ShutdownTimeout}},
-		{"lifecycle.lingerSec", "KUMIKO_LINGER", durationValue{p: &l.Linger, zeroOK: true}},
-		{"lifecycle.drainTimeoutSec", "KUMIKO_DRAIN_TIMEOUT", durationValue{p: &l.DrainTimeout}},
-		{"lifecycle.phaseTimeoutSec", "KUMIKO_PHASE_TIMEOUT", durationValue{p: &l.PhaseTimeout}},
-		{"lifecycle.connectMaxWaitSec", "KUMIKO_CONNECT_MAX_WAIT", durationValue{p: &l.ConnectMaxWait}},
-		{"lifecycle.connectRetryBaseSec", "KUMIKO_CONNECT_RETRY_BASE", durationValue{p: &l.ConnectRetryBase}},
-		{"lifecycle.connectRetryMaxSec", "KUMIKO_CONNECT_RETRY_MAX", durationValue{p: &l.ConnectRetryMax}},
-		{"lifecycle.migrations.mode", "KUMIKO_MIGRATIONS_MODE", choiceValue{p: &l.Migrations.Mode, allowed: migrationModes}},
-		{"lifecycle.migrations.schemaBaseline", "KUMIKO_SCHEMA_BASELINE", uintValue{p: &l.Migrations.SchemaBaseline}},
-		{"lifecycle.leaderElection.enabled", "KUMIKO_LEADER_ENABLED", boolValue{p: &l.LeaderElection.Enabled}},
-		{"lifecycle.leaderElection.lockTtlSec", "KUMIKO_LEADER_LOCK_TTL", durationValue{p: &l.LeaderElection.LockTTL}},
-		{"lifecycle.leaderElection.heartbeatIntervalSec", "KUMIKO_LEADER_RENEW_INTERVAL", durationValue{p: &l.LeaderElection.RenewInterval}},
-		{"lifecycle.heartbeat.intervalSec", "KUMIKO_HEARTBEAT_INTERVAL", durationValue{p: &l.Heartbeat.Interval}},
-		{"lifecycle.heartbeat.ttlSec", "KUMIKO_HEARTBEAT_TTL", durationValue{p: &l.Heartbeat.TTL}},
-		{"lifecycle.readiness.probeTimeoutSec", "KUMIKO_READINESS_PROBE_TIMEOUT", durationValue{p: &l.Readiness.ProbeTimeout}},
-		{"lifecycle.readiness.cacheTtlSec", "KUMIKO_READINESS_CACHE_TTL", durationValue{p: &l.Readiness.CacheTTL}},
+		{key: "http.addr", env: "KUMIKO_HTTP_ADDR", def: ":8080", value: addrValue{p: &c.HTTPAddr},
+			doc: "the API listener, bound in phase 15"},
+		{key: "http.readHeaderTimeout", env: "KUMIKO_HTTP_READ_HEADER_TIMEOUT", def: "5s", value: durationValue{p: &c.HTTP.ReadHeaderTimeout},
+			doc: "request headers must arrive within this (both listeners; slowloris)", old: "http.readHeaderTimeoutSec"},
+		{key: "http.readTimeout", env: "KUMIKO_HTTP_READ_TIMEOUT", def: "15s", value: durationValue{p: &c.HTTP.ReadTimeout},
+			doc: "body read deadline of a non-streaming request", old: "http.readTimeoutSec"},
+		{key: "http.idleTimeout", env: "KUMIKO_HTTP_IDLE_TIMEOUT", def: "60s", value: durationValue{p: &c.HTTP.IdleTimeout},
+			doc: "an idle keep-alive connection is closed after this", old: "http.idleTimeoutSec"},
+		{key: "http.rateLimit", env: "KUMIKO_API_RATE_LIMIT", def: "500", value: uintValue{p: &c.HTTP.RateLimit},
+			doc: "API requests per second per client IP; 0 turns the limit off"},
+		{key: "http.rateBurst", env: "KUMIKO_API_RATE_BURST", def: "1000", value: uintValue{p: &c.HTTP.RateBurst},
+			doc: "requests one client IP may send at once"},
+		{key: "http.slowMax", env: "KUMIKO_SLOW_MAX", def: "60s", value: durationValue{p: &c.HTTP.SlowMax},
+			doc: "cap on GET /api/slow?ms=", old: "http.slowMaxSec"},
+		{key: "http.demoEndpoints", env: "KUMIKO_DEMO_ENDPOINTS", def: "true", value: boolValue{p: &c.HTTP.DemoEndpoints},
+			doc: "serve /api/slow; the k8s manifests turn it off"},
+		{key: "http.trustedProxies", env: "KUMIKO_TRUSTED_PROXIES", value: prefixListValue{p: &c.HTTP.TrustedProxies},
+			doc: "load balancers whose X-Forwarded-For names the client for the rate limit and the stream cap; empty: the connection's own address"},
+
+		{key: "ops.addr", env: "KUMIKO_OPS_ADDR", def: ":9090", value: addrValue{p: &c.OpsAddr},
+			doc: "probes, metrics and admin routes; bound in phase 2, closed last"},
+		{key: "admin.token", env: "KUMIKO_ADMIN_TOKEN", value: secretValue{p: &c.AdminToken, minLen: 16},
+			doc: "bearer token of /admin/*; empty turns the admin routes off"},
+		{key: "database.url", env: "DATABASE_URL", value: urlValue{p: &c.DatabaseURL, schemes: []string{"postgres", "postgresql"}},
+			doc: "postgres://user:pass@host:5432/db", required: true},
+		{key: "redis.url", env: "REDIS_URL", value: urlValue{p: &c.RedisURL, schemes: []string{"redis", "rediss", "unix"}},
+			doc: "redis://host:6379/0", required: true},
+		{key: "search.url", env: "MEILI_URL", value: urlValue{p: &c.Search.URL, schemes: []string{"http", "https"}},
+			doc: "Meilisearch; empty skips phase 11"},
+		{key: "search.apiKey", env: "MEILI_API_KEY", value: secretValue{p: &c.Search.APIKey},
+			doc: "Meilisearch API key"},
+		{key: "storage.endpoint", env: "S3_ENDPOINT", value: addrValue{p: &c.Storage.Endpoint, optional: true},
+			doc: "S3 server; empty skips phase 12"},
+		{key: "storage.accessKey", env: "S3_ACCESS_KEY", value: secretValue{p: &c.Storage.AccessKey},
+			doc: "S3 access key, required with an endpoint"},
+		{key: "storage.secretKey", env: "S3_SECRET_KEY", value: secretValue{p: &c.Storage.SecretKey},
+			doc: "S3 secret key, required with an endpoint"},
+		{key: "storage.bucket", env: "S3_BUCKET", def: "kumiko-demo", value: textValue{p: &c.Storage.Bucket},
+			doc: "bucket of the order receipts"},
+		{key: "storage.useSSL", env: "S3_USE_SSL", def: "false", value: boolValue{p: &c.Storage.UseSSL},
+			doc: "talk TLS to the S3 server"},
+		{key: "secrets.masterKey", env: "KUMIKO_MASTER_KEY", value: secretValue{p: &c.MasterKey},
+			doc: "base64 of 32 bytes (`head -c 32 /dev/urandom | base64`); set this or masterKeyFile"},
+		{key: "secrets.masterKeyFile", env: "KUMIKO_MASTER_KEY_FILE", value: textValue{p: &c.MasterKeyFile},
+			doc: "a mounted secret holding the base64 master key"},
+
+		{key: "outbox.batchSize", env: "KUMIKO_OUTBOX_BATCH_SIZE", def: "100", value: uintValue{p: &c.Outbox.BatchSize, min: 1, max: 10000},
+			doc: "events claimed and delivered per transaction"},
+		{key: "outbox.pollInterval", env: "KUMIKO_OUTBOX_POLL_INTERVAL", def: "1s", value: durationValue{p: &c.Outbox.PollInterval},
+			doc: "fallback when no NOTIFY wakes the poller", old: "outbox.pollIntervalSec"},
+		{key: "outbox.listen", env: "KUMIKO_OUTBOX_LISTEN", def: "true", value: boolValue{p: &c.Outbox.Listen},
+			doc: "LISTEN/NOTIFY wake-ups; false behind PgBouncer in transaction mode"},
+		{key: "outbox.maxAttempts", env: "KUMIKO_OUTBOX_MAX_ATTEMPTS", def: "10", value: uintValue{p: &c.Outbox.MaxAttempts, min: 1},
+			doc: "failed deliveries before an event is dead (dead_at)"},
+		{key: "outbox.retryBase", env: "KUMIKO_OUTBOX_RETRY_BASE", def: "1s", value: durationValue{p: &c.Outbox.RetryBase},
+			doc: "first delay after a failed delivery; doubles", old: "outbox.retryBaseSec"},
+		{key: "outbox.retryMax", env: "KUMIKO_OUTBOX_RETRY_MAX", def: "5m", value: durationValue{p: &c.Outbox.RetryMax},
+			doc: "cap on that delay", old: "outbox.retryMaxSec"},
+		{key: "outbox.retention", env: "KUMIKO_OUTBOX_RETENTION", def: "168h", value: durationValue{p: &c.Outbox.Retention},
+			doc: "delivered events older than this (7 days) are deleted; pending and dead ones are kept", old: "outbox.retentionSec"},
+		{key: "outbox.purgeCron", env: "KUMIKO_OUTBOX_PURGE_CRON", def: "@hourly", value: textValue{p: &c.Outbox.PurgeCron},
+			doc: "when the leader enqueues the retention job (purgeOutbox)"},
+
+		{key: "jobs.workers", env: "KUMIKO_JOBS_WORKERS", def: "10", value: uintValue{p: &c.Jobs.Workers, min: 1},
+			doc: "jobs worked at once by this instance"},
+		{key: "jobs.pollInterval", env: "KUMIKO_JOBS_POLL_INTERVAL", def: "1s", value: durationValue{p: &c.Jobs.PollInterval},
+			doc: "River's fetch poll, the fallback to its LISTEN", old: "jobs.pollIntervalSec"},
+		{key: "jobs.timeout", env: "KUMIKO_JOBS_TIMEOUT", def: "1m", value: durationValue{p: &c.Jobs.Timeout},
+			doc: "a job running longer is cancelled; shorter than rescueAfter", old: "jobs.timeoutSec"},
+		{key: "jobs.rescueAfter", env: "KUMIKO_JOBS_RESCUE_AFTER", def: "1h", value: durationValue{p: &c.Jobs.RescueAfter},
+			doc: "a job still running after this belonged to a crashed worker: run it again", old: "jobs.rescueAfterSec"},
+		{key: "jobs.reportCron", env: "KUMIKO_REPORT_CRON", def: "*/5 * * * *", value: textValue{p: &c.Jobs.ReportCron},
+			doc: "the periodic report: 5 cron fields, 6 with seconds, or @every 10s"},
+
+		{key: "sse.maxStreams", env: "KUMIKO_SSE_MAX_STREAMS", def: "1000", value: uintValue{p: &c.SSE.MaxStreams, min: 1},
+			doc: "open event streams per instance; beyond, 503"},
+		{key: "sse.heartbeat", env: "KUMIKO_SSE_HEARTBEAT", def: "15s", value: durationValue{p: &c.SSE.Heartbeat},
+			doc: "comment lines that keep idle proxies from closing a stream", old: "sse.heartbeatSec"},
+		{key: "sse.retry", env: "KUMIKO_SSE_RETRY", def: "1s", value: durationValue{p: &c.SSE.RetryHint},
+			doc: "the retry: hint a client waits before reconnecting", old: "sse.retrySec"},
+		{key: "sse.writeTimeout", env: "KUMIKO_SSE_WRITE_TIMEOUT", def: "10s", value: durationValue{p: &c.SSE.WriteTimeout},
+			doc: "a stream write the client does not take within this ends the stream, so a stalled reader cannot pin a handler", old: "sse.writeTimeoutSec"},
+		{key: "sse.maxStreamsPerIp", env: "KUMIKO_SSE_MAX_STREAMS_PER_IP", def: "20", value: uintValue{p: &c.SSE.MaxStreamsPerIP},
+			doc: "open streams per client address; beyond, 429; 0 turns the cap off"},
+
+		{key: "lifecycle.startupTimeout", env: "KUMIKO_STARTUP_TIMEOUT", def: "120s", value: durationValue{p: &l.StartupTimeout},
+			doc: "the whole boot, from process start to ready", old: "lifecycle.startupTimeoutSec"},
+		{key: "lifecycle.shutdownTimeout", env: "KUMIKO_SHUTDOWN_TIMEOUT", def: "40s", value: durationValue{p: &l.ShutdownTimeout},
+			doc: "the whole drain, from the stop signal to exit; past it, exit 1", old: "lifecycle.shutdownTimeoutSec"},
+		{key: "lifecycle.linger", env: "KUMIKO_LINGER", def: "3s", value: durationValue{p: &l.Linger, zeroOK: true},
+			doc: "keep serving after readiness turns 503, so load balancers notice", old: "lifecycle.lingerSec"},
+		{key: "lifecycle.drainTimeout", env: "KUMIKO_DRAIN_TIMEOUT", def: "30s", value: durationValue{p: &l.DrainTimeout},
+			doc: "wait this long for in-flight requests", old: "lifecycle.drainTimeoutSec"},
+		{key: "lifecycle.phaseTimeout", env: "KUMIKO_PHASE_TIMEOUT", def: "30s", value: durationValue{p: &l.PhaseTimeout},
+			doc: "any one boot phase from 2 on, except the connect phases; the shutdown does not use it", old: "lifecycle.phaseTimeoutSec"},
+		{key: "lifecycle.connectMaxWait", env: "KUMIKO_CONNECT_MAX_WAIT", def: "5m", value: durationValue{p: &l.ConnectMaxWait},
+			doc: "retry window of dbConnect and redisConnect (the boot budget still wins)", old: "lifecycle.connectMaxWaitSec"},
+		{key: "lifecycle.connectRetryBase", env: "KUMIKO_CONNECT_RETRY_BASE", def: "1s", value: durationValue{p: &l.ConnectRetryBase},
+			doc: "first connect retry delay, doubling: 1, 2, 4, 8, 16, 30 s…", old: "lifecycle.connectRetryBaseSec"},
+		{key: "lifecycle.connectRetryMax", env: "KUMIKO_CONNECT_RETRY_MAX", def: "30s", value: durationValue{p: &l.ConnectRetryMax},
+			doc: "cap on one connect retry delay", old: "lifecycle.connectRetryMaxSec"},
+		{key: "lifecycle.migrations.mode", env: "KUMIKO_MIGRATIONS_MODE", def: "exit-on-pending",
+			value: choiceValue{p: &l.Migrations.Mode, allowed: []string{"exit-on-pending", "auto-apply", "warn-on-pending"}},
+			doc:   "what phase 9 does with pending migrations"},
+		{key: "lifecycle.migrations.schemaBaseline", env: "KUMIKO_SCHEMA_BASELINE", def: "0", value: uintValue{p: &l.Migrations.SchemaBaseline},
+			doc: "oldest schema version this binary accepts; 0 turns phase 8 off"},
+		{key: "lifecycle.leaderElection.enabled", env: "KUMIKO_LEADER_ENABLED", def: "true", value: boolValue{p: &l.LeaderElection.Enabled},
+			doc: "elect one leader to schedule the cron jobs"},
+		{key: "lifecycle.leaderElection.lockTtl", env: "KUMIKO_LEADER_LOCK_TTL", def: "15s", value: durationValue{p: &l.LeaderElection.LockTTL},
+			doc: "the leader lock expires this long after its last renewal", old: "lifecycle.leaderElection.lockTtlSec"},
+		{key: "lifecycle.leaderElection.renewInterval", env: "KUMIKO_LEADER_RENEW_INTERVAL", def: "5s", value: durationValue{p: &l.LeaderElection.RenewInterval},
+			doc: "the leader renews its lock this often; at most half the lock TTL", old: "lifecycle.leaderElection.heartbeatIntervalSec"},
+		{key: "lifecycle.heartbeat.interval", env: "KUMIKO_HEARTBEAT_INTERVAL", def: "5s", value: durationValue{p: &l.Heartbeat.Interval},
+			doc: "workers write `heartbeat:<worker>:<instance>` this often", old: "lifecycle.heartbeat.intervalSec"},
+		{key: "lifecycle.heartbeat.ttl", env: "KUMIKO_HEARTBEAT_TTL", def: "10s", value: durationValue{p: &l.Heartbeat.TTL},
+			doc: "a heartbeat older than this is stale: readiness 503", old: "lifecycle.heartbeat.ttlSec"},
+		{key: "lifecycle.readiness.probeTimeout", env: "KUMIKO_READINESS_PROBE_TIMEOUT", def: "1s", value: durationValue{p: &l.Readiness.ProbeTimeout},
+			doc: "one readiness dependency check", old: "lifecycle.readiness.probeTimeoutSec"},
+		{key: "lifecycle.readiness.cacheTtl", env: "KUMIKO_READINESS_CACHE_TTL", def: "1s", value: durationValue{p: &l.Readiness.CacheTTL},
+			doc: "reuse a probe result this long, so frequent polling stays cheap", old: "lifecycle.readiness.cacheTtlSec"},
 	}
+}
+
+// defaultConfig is every setting at its default.
+func defaultConfig() config {
+	var c config
+	for _, s := range c.settings() {
+		if err := s.value.set(s.def); err != nil {
+			// A typo in the table above; TestLoadConfigDefaults catches it.
+			panic(fmt.Sprintf("config: the default of %s: %v", s.key, err))
+		}
+	}
+	return c
+}
+
+// deprecatedKey is a former file key that was read in place of its new name.
+type deprecatedKey struct {
+	file string
+	line int
+	key  string // as written in the file
+	use  string // its name now
 }
 
 // loadConfig builds the config from defaults, the optional file and the
@@ -266,15 +319,30 @@ func loadConfig(getenv func(string) string, readFile func(string) ([]byte, error
 	fileName, fromFile, problems := readConfigFile(getenv, readFile)
 
 	for _, s := range c.settings() {
-		if v, ok := fromFile[s.yaml]; ok {
+		key := s.key
+		v, inFile := fromFile[s.key]
+		if oldV, inFileOld := fromFile[s.old]; s.old != "" && inFileOld {
+			if inFile {
+				problems = append(problems, fmt.Errorf("%s: line %d: %s is the former name of %s, which line %d sets too; keep only %s",
+					fileName, oldV.line, s.old, s.key, v.line, s.key))
+			} else {
+				key, v, inFile = s.old, oldV, true
+				c.deprecated = append(c.deprecated, deprecatedKey{file: fileName, line: v.line, key: s.old, use: s.key})
+			}
+		}
+		if inFile {
 			if err := s.value.set(v.raw); err != nil {
-				problems = append(problems, fmt.Errorf("%s: line %d: %s: %w", fileName, v.line, s.yaml, err))
+				problems = append(problems, fmt.Errorf("%s: line %d: %s: %w", fileName, v.line, key, err))
 			}
 		}
 		if raw := getenv(s.env); raw != "" {
 			if err := s.value.set(raw); err != nil {
 				problems = append(problems, fmt.Errorf("%s: %w", s.env, err))
 			}
+		}
+		// Every string value logs as a string, "" when unset.
+		if s.required && s.value.logValue() == "" {
+			problems = append(problems, fmt.Errorf("%s is required (%s in the config file)", s.env, s.key))
 		}
 	}
 	if c.InstanceID == "" {
@@ -303,8 +371,8 @@ func defaultInstanceID(getenv func(string) string) string {
 	return host + "-" + hex.EncodeToString(suffix)
 }
 
-// validate checks the rules that span several settings or that can only be
-// judged once every source has been applied.
+// validate checks the rules that span several settings; the rules of one
+// setting are in its value, in the table.
 func (c *config) validate() []error {
 	var problems []error
 	check := func(ok bool, format string, args ...any) {
@@ -313,9 +381,6 @@ func (c *config) validate() []error {
 		}
 	}
 	l, le, hb := c.Lifecycle, c.Lifecycle.LeaderElection, c.Lifecycle.Heartbeat
-
-	check(c.DatabaseURL != "", "DATABASE_URL is required (database.url in the config file)")
-	check(c.RedisURL != "", "REDIS_URL is required (redis.url in the config file)")
 
 	// Port 0 asks the kernel for a free port, so two ":0" listeners never collide.
 	httpPort, opsPort := portOf(c.HTTPAddr), portOf(c.OpsAddr)
@@ -330,28 +395,24 @@ func (c *config) validate() []error {
 		"secrets.masterKey and secrets.masterKeyFile (KUMIKO_MASTER_KEY, KUMIKO_MASTER_KEY_FILE) are both set; set only one")
 
 	check(l.DrainTimeout+l.Linger < l.ShutdownTimeout,
-		"lifecycle.shutdownTimeoutSec (%s) must be longer than drainTimeoutSec + lingerSec (%s + %s): "+
+		"lifecycle.shutdownTimeout (%s) must be longer than drainTimeout + linger (%s + %s): "+
 			"the rest of the shutdown, stopping workers and closing connections, needs time after the drain",
 		l.ShutdownTimeout, l.DrainTimeout, l.Linger)
 	check(l.ConnectRetryBase <= l.ConnectRetryMax,
-		"lifecycle.connectRetryBaseSec (%s) must not exceed connectRetryMaxSec (%s), the cap on a single delay",
+		"lifecycle.connectRetryBase (%s) must not exceed connectRetryMax (%s), the cap on a single delay",
 		l.ConnectRetryBase, l.ConnectRetryMax)
 	// Renewing at most every TTL/2 survives one late renewal; renewing every
 	// TTL or less often loses the lock between renewals.
 	check(!le.Enabled || le.RenewInterval < le.LockTTL,
-		"lifecycle.leaderElection.heartbeatIntervalSec (%s) must be less than lockTtlSec (%s), ideally at most half, "+
+		"lifecycle.leaderElection.renewInterval (%s) must be less than lockTtl (%s), ideally at most half, "+
 			"or the leader loses the lock between renewals", le.RenewInterval, le.LockTTL)
-	check(c.Outbox.BatchSize >= 1 && c.Outbox.BatchSize <= 10000, "outbox.batchSize (%d) must be from 1 to 10000", c.Outbox.BatchSize)
-	check(c.Outbox.MaxAttempts >= 1, "outbox.maxAttempts must be at least 1")
-	check(c.Outbox.RetryBase <= c.Outbox.RetryMax, "outbox.retryBaseSec (%s) must not exceed retryMaxSec (%s)", c.Outbox.RetryBase, c.Outbox.RetryMax)
+	check(c.Outbox.RetryBase <= c.Outbox.RetryMax, "outbox.retryBase (%s) must not exceed retryMax (%s)", c.Outbox.RetryBase, c.Outbox.RetryMax)
 	check(c.HTTP.RateLimit == 0 || c.HTTP.RateBurst >= 1, "http.rateBurst must be at least 1 when http.rateLimit is set")
-	check(c.SSE.MaxStreams >= 1, "sse.maxStreams must be at least 1")
-	check(c.Jobs.Workers >= 1, "jobs.workers must be at least 1")
 	// River rescues a job still running after RescueAfter: a shorter value
 	// would run live jobs twice.
-	check(c.Jobs.Timeout < c.Jobs.RescueAfter, "jobs.timeoutSec (%s) must be shorter than rescueAfterSec (%s)", c.Jobs.Timeout, c.Jobs.RescueAfter)
+	check(c.Jobs.Timeout < c.Jobs.RescueAfter, "jobs.timeout (%s) must be shorter than rescueAfter (%s)", c.Jobs.Timeout, c.Jobs.RescueAfter)
 	check(hb.Interval < hb.TTL,
-		"lifecycle.heartbeat.intervalSec (%s) must be less than ttlSec (%s), or the heartbeat expires between beats",
+		"lifecycle.heartbeat.interval (%s) must be less than ttl (%s), or the heartbeat expires between beats",
 		hb.Interval, hb.TTL)
 	return problems
 }
@@ -370,7 +431,7 @@ func portOf(addr string) string {
 func (c config) logFields() map[string]any {
 	fields := make(map[string]any)
 	for _, s := range c.settings() {
-		fields[s.yaml] = s.value.logValue()
+		fields[s.key] = s.value.logValue()
 	}
 	return fields
 }
@@ -397,9 +458,10 @@ type fileValue struct {
 }
 
 // readConfigFile reads the config file and returns its name for error
-// messages, the values it sets keyed by dotted path ("lifecycle.lingerSec"),
-// and every problem found in it. The settings table is the schema: a key it
-// does not name is an error, so a misspelt key never silently does nothing.
+// messages, the values it sets keyed by dotted path as written
+// ("lifecycle.linger"), and every problem found in it. The settings table is
+// the schema: a key it does not name (by its name or its former name) is an
+// error, so a misspelt key never silently does nothing.
 func readConfigFile(getenv func(string) string, readFile func(string) ([]byte, error)) (string, map[string]fileValue, []error) {
 	name, explicit := getenv("KUMIKO_CONFIG"), true
 	if name == "" {
@@ -431,10 +493,15 @@ func readConfigFile(getenv func(string) string, readFile func(string) ([]byte, e
 	leaves, sections := map[string]bool{}, map[string]bool{}
 	var c config
 	for _, s := range c.settings() {
-		leaves[s.yaml] = true
-		for path := s.yaml; strings.Contains(path, "."); {
-			path = path[:strings.LastIndex(path, ".")]
-			sections[path] = true
+		for _, key := range []string{s.key, s.old} {
+			if key == "" {
+				continue
+			}
+			leaves[key] = true
+			for path := key; strings.Contains(path, "."); {
+				path = path[:strings.LastIndex(path, ".")]
+				sections[path] = true
+			}
 		}
 	}
 	values := map[string]fileValue{}
@@ -474,6 +541,7 @@ func readConfigFile(getenv func(string) string, readFile func(string) ([]byte, e
 type settingValue interface {
 	set(raw string) error
 	logValue() any
+	rule() string // what set accepts, for the README
 }
 
 // secretHolder is implemented by the values that can contain secrets.
@@ -485,6 +553,7 @@ type textValue struct{ p *string }
 
 func (v textValue) set(raw string) error { *v.p = raw; return nil }
 func (v textValue) logValue() any        { return *v.p }
+func (v textValue) rule() string         { return "text" }
 
 type choiceValue struct {
 	p       *string
@@ -500,6 +569,7 @@ func (v choiceValue) set(raw string) error {
 }
 
 func (v choiceValue) logValue() any { return *v.p }
+func (v choiceValue) rule() string  { return "one of " + strings.Join(v.allowed, ", ") }
 
 // addrValue is a listen or dial address, host:port. The host may be empty
 // (":8080", all interfaces) and the port may be 0 (any free port).
@@ -524,6 +594,12 @@ func (v addrValue) set(raw string) error {
 }
 
 func (v addrValue) logValue() any { return *v.p }
+func (v addrValue) rule() string {
+	if v.optional {
+		return "host:port or empty"
+	}
+	return "host:port"
+}
 
 // secretValue is a token or key. It never appears in the log or in an error.
 type secretValue struct {
@@ -544,6 +620,13 @@ func (v secretValue) logValue() any {
 		return ""
 	}
 	return redactedMark
+}
+
+func (v secretValue) rule() string {
+	if v.minLen > 0 {
+		return fmt.Sprintf("secret, %d+ characters", v.minLen)
+	}
+	return "secret"
 }
 
 func (v secretValue) secrets() []string {
@@ -580,6 +663,7 @@ func (v urlValue) set(raw string) error {
 
 func (v urlValue) logValue() any     { return redactConnString(*v.p) }
 func (v urlValue) secrets() []string { return connPasswords(*v.p) }
+func (v urlValue) rule() string      { return "URL: " + strings.Join(v.schemes, ", ") }
 
 type durationValue struct {
 	p      *time.Duration
@@ -601,6 +685,12 @@ func (v durationValue) set(raw string) error {
 }
 
 func (v durationValue) logValue() any { return v.p.String() }
+func (v durationValue) rule() string {
+	if v.zeroOK {
+		return "duration, 0 allowed"
+	}
+	return "duration > 0"
+}
 
 // prefixListValue is a comma-separated list of addresses or CIDR ranges
 // ("10.0.0.0/8, 127.0.0.1"); a bare address is a range of one.
@@ -626,6 +716,8 @@ func (v prefixListValue) set(raw string) error {
 	return nil
 }
 
+func (v prefixListValue) rule() string { return "addresses or CIDR ranges, comma-separated" }
+
 func (v prefixListValue) logValue() any {
 	parts := make([]string, len(*v.p))
 	for i, p := range *v.p {
@@ -646,22 +738,33 @@ func (v boolValue) set(raw string) error {
 }
 
 func (v boolValue) logValue() any { return *v.p }
+func (v boolValue) rule() string  { return "true or false" }
 
-type uintValue struct{ p *uint }
+// uintValue is a whole number from min to max (no upper bound when max is 0).
+type uintValue struct {
+	p        *uint
+	min, max uint
+}
 
 func (v uintValue) set(raw string) error {
 	n, err := strconv.ParseUint(raw, 10, strconv.IntSize)
-	if err != nil {
-		return fmt.Errorf("want a whole number, 0 or more, got %q", raw)
+	if err != nil || uint(n) < v.min || (v.max > 0 && uint(n) > v.max) {
+		return fmt.Errorf("want a %s, got %q", v.rule(), raw)
 	}
 	*v.p = uint(n)
 	return nil
 }
 
 func (v uintValue) logValue() any { return *v.p }
+func (v uintValue) rule() string {
+	if v.max > 0 {
+		return fmt.Sprintf("whole number from %d to %d", v.min, v.max)
+	}
+	return fmt.Sprintf("whole number, %d or more", v.min)
+}
 
 // parseDuration parses a Go duration ("250ms", "1m30s") or a bare number of
-// seconds ("3", "0.5"), the unit the *Sec setting names promise.
+// seconds ("3", "0.5"), which the spec promises and the former *Sec keys meant.
 func parseDuration(s string) (time.Duration, error) {
 	if secs, err := strconv.ParseFloat(s, 64); err == nil {
 		ns := math.Round(secs * float64(time.Second))

@@ -2,12 +2,14 @@ package main
 
 import (
 	"errors"
+	"flag"
 	"fmt"
 	"io/fs"
 	"os"
 	"reflect"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -57,6 +59,8 @@ func configProblems(err error) []string {
 	return strings.Split(list, "\n")
 }
 
+// The defaults are declared once, in the settings table; loading with no
+// file and no environment must give exactly them.
 func TestLoadConfigDefaults(t *testing.T) {
 	got, err := loadTestConfig(nil, "")
 	if err != nil {
@@ -65,41 +69,10 @@ func TestLoadConfigDefaults(t *testing.T) {
 	if !regexp.MustCompile(`^web-1-[0-9a-f]{6}$`).MatchString(got.InstanceID) {
 		t.Errorf("InstanceID = %q, want web-1- and 6 hex digits", got.InstanceID)
 	}
-	got.InstanceID = ""
-
-	want := config{
-		HTTPAddr:    ":8080",
-		OpsAddr:     ":9090",
-		LogFormat:   "text",
-		DatabaseURL: "postgres://app@db:5432/app",
-		RedisURL:    "redis://redis:6379/0",
-		Storage:     storageConfig{Bucket: "kumiko-demo"},
-		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, Listen: true, MaxAttempts: 10,
-			RetryBase: time.Second, RetryMax: 5 * time.Minute,
-			Retention: 7 * 24 * time.Hour, PurgeCron: "@hourly"},
-		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second,
-			WriteTimeout: 10 * time.Second, MaxStreamsPerIP: 20},
-		Jobs: jobsConfig{Workers: 10, PollInterval: time.Second, Timeout: time.Minute, RescueAfter: time.Hour,
-			ReportCron: "*/5 * * * *"},
-		HTTP: httpConfig{ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 15 * time.Second, IdleTimeout: time.Minute,
-			RateLimit: 500, RateBurst: 1000, SlowMax: time.Minute, DemoEndpoints: true},
-		Lifecycle: lifecycleConfig{
-			StartupTimeout:   120 * time.Second,
-			ShutdownTimeout:  40 * time.Second,
-			Linger:           3 * time.Second,
-			DrainTimeout:     30 * time.Second,
-			PhaseTimeout:     30 * time.Second,
-			ConnectMaxWait:   5 * time.Minute,
-			ConnectRetryBase: 1 * time.Second,
-			ConnectRetryMax:  30 * time.Second,
-			Migrations:       migrationsConfig{Mode: "exit-on-pending"},
-			LeaderElection:   leaderElectionConfig{Enabled: true, LockTTL: 15 * time.Second, RenewInterval: 5 * time.Second},
-			Heartbeat:        heartbeatConfig{Interval: 5 * time.Second, TTL: 10 * time.Second},
-			Readiness:        readinessConfig{ProbeTimeout: 1 * time.Second, CacheTTL: 1 * time.Second},
-		},
-	}
+	want := defaultConfig()
+	want.InstanceID, want.DatabaseURL, want.RedisURL = got.InstanceID, "postgres://app@db:5432/app", "redis://redis:6379/0"
 	if !reflect.DeepEqual(got, want) {
-		t.Errorf("loadConfig() =\n%+v\nwant\n%+v", got, want)
+		t.Errorf("loadConfig() =\n%+v\nwant the table's defaults\n%+v", got, want)
 	}
 }
 
@@ -113,14 +86,14 @@ func TestLoadConfigSources(t *testing.T) {
 		get  func(config) any
 		want any
 	}{
-		{name: "file overrides default", file: "lifecycle:\n  lingerSec: 7\n", get: linger, want: 7 * time.Second},
+		{name: "file overrides default", file: "lifecycle:\n  linger: 7s\n", get: linger, want: 7 * time.Second},
 		{
 			name: "env overrides file",
-			file: "lifecycle:\n  lingerSec: 7\n",
+			file: "lifecycle:\n  linger: 7s\n",
 			env:  map[string]string{"KUMIKO_LINGER": "9"},
 			get:  linger, want: 9 * time.Second,
 		},
-		{name: "null in file keeps default", file: "lifecycle:\n  lingerSec:\n", get: linger, want: 3 * time.Second},
+		{name: "null in file keeps default", file: "lifecycle:\n  linger:\n", get: linger, want: 3 * time.Second},
 		{name: "comment-only file", file: "# nothing yet\n", get: linger, want: 3 * time.Second},
 		{name: "zero linger", env: map[string]string{"KUMIKO_LINGER": "0"}, get: linger, want: time.Duration(0)},
 
@@ -134,19 +107,19 @@ func TestLoadConfigSources(t *testing.T) {
 			get: func(c config) any { return c.Lifecycle.ConnectMaxWait }, want: 90 * time.Second,
 		},
 		{
-			name: "yaml int seconds", file: "lifecycle:\n  startupTimeoutSec: 60\n",
+			name: "yaml int seconds", file: "lifecycle:\n  startupTimeout: 60\n",
 			get: func(c config) any { return c.Lifecycle.StartupTimeout }, want: time.Minute,
 		},
 		{
-			name: "yaml float seconds", file: "lifecycle:\n  readiness:\n    probeTimeoutSec: 0.25\n",
+			name: "yaml float seconds", file: "lifecycle:\n  readiness:\n    probeTimeout: 0.25\n",
 			get: func(c config) any { return c.Lifecycle.Readiness.ProbeTimeout }, want: 250 * time.Millisecond,
 		},
 		{
-			name: "yaml Go duration", file: "lifecycle:\n  readiness:\n    cacheTtlSec: 250ms\n",
+			name: "yaml Go duration", file: "lifecycle:\n  readiness:\n    cacheTtl: 250ms\n",
 			get: func(c config) any { return c.Lifecycle.Readiness.CacheTTL }, want: 250 * time.Millisecond,
 		},
 		{
-			name: "yaml quoted seconds", file: "lifecycle:\n  heartbeat:\n    ttlSec: \"12\"\n",
+			name: "yaml quoted seconds", file: "lifecycle:\n  heartbeat:\n    ttl: \"12\"\n",
 			get: func(c config) any { return c.Lifecycle.Heartbeat.TTL }, want: 12 * time.Second,
 		},
 
@@ -221,10 +194,10 @@ func TestLoadConfigProblems(t *testing.T) {
 		},
 		{
 			name: "bad values in the file name the line and key",
-			file: "log:\n  format: xml\nlifecycle:\n  heartbeat:\n    ttlSec: -2\n",
+			file: "log:\n  format: xml\nlifecycle:\n  heartbeat:\n    ttl: -2\n",
 			want: []string{
 				`kumiko.config.yaml: line 2: log.format: "xml" is not one of text, json`,
-				`kumiko.config.yaml: line 5: lifecycle.heartbeat.ttlSec: "-2" is negative`,
+				`kumiko.config.yaml: line 5: lifecycle.heartbeat.ttl: "-2" is negative`,
 			},
 		},
 		{
@@ -330,17 +303,38 @@ func TestLoadConfigProblems(t *testing.T) {
 		{
 			name: "drain and linger leave no time to shut down",
 			env:  map[string]string{"KUMIKO_SHUTDOWN_TIMEOUT": "33"}, // 30s drain + 3s linger
-			want: []string{"lifecycle.shutdownTimeoutSec (33s) must be longer than drainTimeoutSec + lingerSec (30s + 3s)"},
+			want: []string{"lifecycle.shutdownTimeout (33s) must be longer than drainTimeout + linger (30s + 3s)"},
 		},
 		{
 			name: "timing rules",
-			file: "lifecycle:\n  connectRetryBaseSec: 1m\n  leaderElection:\n    lockTtlSec: 10\n    heartbeatIntervalSec: 10\n",
+			file: "lifecycle:\n  connectRetryBase: 1m\n  leaderElection:\n    lockTtl: 10s\n    renewInterval: 10s\n",
 			env:  map[string]string{"KUMIKO_HEARTBEAT_INTERVAL": "10s"},
 			want: []string{
-				"lifecycle.connectRetryBaseSec (1m0s) must not exceed connectRetryMaxSec (30s)",
-				"lifecycle.leaderElection.heartbeatIntervalSec (10s) must be less than lockTtlSec (10s)",
-				"lifecycle.heartbeat.intervalSec (10s) must be less than ttlSec (10s)",
+				"lifecycle.connectRetryBase (1m0s) must not exceed connectRetryMax (30s)",
+				"lifecycle.leaderElection.renewInterval (10s) must be less than lockTtl (10s)",
+				"lifecycle.heartbeat.interval (10s) must be less than ttl (10s)",
 			},
+		},
+		{
+			name: "bounds declared in the table",
+			file: "outbox:\n  batchSize: 10001\n",
+			env:  map[string]string{"KUMIKO_OUTBOX_MAX_ATTEMPTS": "0", "KUMIKO_JOBS_WORKERS": "0", "KUMIKO_SSE_MAX_STREAMS": "0"},
+			want: []string{
+				`kumiko.config.yaml: line 2: outbox.batchSize: want a whole number from 1 to 10000, got "10001"`,
+				`KUMIKO_OUTBOX_MAX_ATTEMPTS: want a whole number, 1 or more, got "0"`,
+				`KUMIKO_JOBS_WORKERS: want a whole number, 1 or more, got "0"`,
+				`KUMIKO_SSE_MAX_STREAMS: want a whole number, 1 or more, got "0"`,
+			},
+		},
+		{
+			name: "a key under its new and its former name",
+			file: "lifecycle:\n  linger: 2s\n  lingerSec: 3\n",
+			want: []string{"kumiko.config.yaml: line 3: lifecycle.lingerSec is the former name of lifecycle.linger, which line 2 sets too; keep only lifecycle.linger"},
+		},
+		{
+			name: "a bad value under a former name names that name",
+			file: "sse:\n  retrySec: soon\n",
+			want: []string{`kumiko.config.yaml: line 2: sse.retrySec: time: invalid duration "soon"`},
 		},
 	}
 	for _, tt := range tests {
@@ -509,78 +503,230 @@ func TestLogFieldsListsEverySetting(t *testing.T) {
 	if len(fields) != len(c.settings()) {
 		t.Errorf("logFields has %d fields, want one per setting (%d)", len(fields), len(c.settings()))
 	}
-	if got := fields["lifecycle.lingerSec"]; got != "3s" {
-		t.Errorf(`logFields()["lifecycle.lingerSec"] = %v, want "3s"`, got)
+	if got := fields["lifecycle.linger"]; got != "3s" {
+		t.Errorf(`logFields()["lifecycle.linger"] = %v, want "3s"`, got)
 	}
 }
 
 // TestSettingsTable guards the table against drifting from the config struct:
-// each config field has exactly one setting, and no name is used twice.
+// each config field has exactly one setting, no name is used twice, and every
+// setting is documented.
 func TestSettingsTable(t *testing.T) {
 	var c config
 	settings := c.settings()
 
-	yamlPaths := make(map[string]bool)
-	envNames := make(map[string]bool)
+	names := make(map[string]bool) // file keys, former file keys and environment names share no name
 	fieldPtrs := make(map[uintptr]bool)
 	for _, s := range settings {
-		if yamlPaths[s.yaml] || envNames[s.env] {
-			t.Errorf("%s / %s: name used twice", s.yaml, s.env)
+		for _, name := range []string{s.key, s.old, s.env} {
+			if names[name] {
+				t.Errorf("%s: name used twice", name)
+			}
+			if name != "" {
+				names[name] = true
+			}
 		}
-		yamlPaths[s.yaml], envNames[s.env] = true, true
+		if s.doc == "" {
+			t.Errorf("%s has no doc", s.key)
+		}
 		fieldPtrs[reflect.ValueOf(s.value).Field(0).Pointer()] = true // every value's first field points into c
 	}
 
 	if n := countStructLeaves(reflect.TypeFor[config]()); len(fieldPtrs) != n {
 		t.Errorf("settings cover %d distinct config fields, config has %d", len(fieldPtrs), n)
 	}
-
 }
 
+// countStructLeaves counts the exported leaf fields, the settings.
 func countStructLeaves(t reflect.Type) int {
 	if t.Kind() != reflect.Struct {
 		return 1
 	}
 	n := 0
 	for f := range t.Fields() {
-		n += countStructLeaves(f.Type)
+		if f.IsExported() {
+			n += countStructLeaves(f.Type)
+		}
 	}
 	return n
 }
 
-func TestParseDuration(t *testing.T) {
-	tests := []struct {
-		in      string
-		want    time.Duration
-		wantErr bool
-	}{
-		{in: "250ms", want: 250 * time.Millisecond},
-		{in: "3s", want: 3 * time.Second},
-		{in: "1m30s", want: 90 * time.Second},
-		{in: "3", want: 3 * time.Second},
-		{in: "0.5", want: 500 * time.Millisecond},
-		{in: "0.1", want: 100 * time.Millisecond},
-		{in: "0", want: 0},
-		{in: "-2", want: -2 * time.Second}, // callers decide whether negative is allowed
-		{in: "", wantErr: true},
-		{in: "soon", wantErr: true},
-		{in: "3 s", wantErr: true},
-		{in: "NaN", wantErr: true},
-		{in: "Inf", wantErr: true},
-		{in: "1e10", wantErr: true}, // 317 years
+// Every former file key still sets its setting, and the load reports it so
+// phase 1 can warn.
+func TestFormerKeysStillWork(t *testing.T) {
+	var c config
+	for _, s := range c.settings() {
+		if s.old == "" {
+			continue
+		}
+		t.Run(s.old, func(t *testing.T) {
+			// Every former key is a *Sec duration. Half a second past the
+			// default keeps the cross-setting rules satisfied while still
+			// telling the setting apart from its default.
+			def, err := parseDuration(s.def)
+			if err != nil {
+				t.Fatalf("%s: default %q: %v", s.key, s.def, err)
+			}
+			sample := strconv.FormatFloat((def + 500*time.Millisecond).Seconds(), 'f', -1, 64) // bare seconds, as the former keys promised
+			got, err := loadTestConfig(nil, nestedYAML(s.old, sample))
+			if err != nil {
+				t.Fatalf("loadConfig: %v", err)
+			}
+			want, err := loadTestConfig(nil, nestedYAML(s.key, sample))
+			if err != nil {
+				t.Fatalf("loadConfig with %s: %v", s.key, err)
+			}
+			want.deprecated = []deprecatedKey{{file: configFileName, line: strings.Count(s.old, ".") + 1, key: s.old, use: s.key}}
+			got.InstanceID, want.InstanceID = "", ""
+			if !reflect.DeepEqual(got, want) {
+				t.Errorf("%s: %s gives\n%+v\nwant, as %s: %s and one deprecation\n%+v", s.old, sample, got, s.key, sample, want)
+			}
+		})
 	}
-	for _, tt := range tests {
-		got, err := parseDuration(tt.in)
-		if (err != nil) != tt.wantErr || got != tt.want {
-			t.Errorf("parseDuration(%q) = %v, %v; want %v, error %t", tt.in, got, err, tt.want, tt.wantErr)
+}
+
+// nestedYAML writes the dotted key a.b.c as nested YAML mappings.
+func nestedYAML(key, value string) string {
+	var b strings.Builder
+	parts := strings.Split(key, ".")
+	for i, part := range parts {
+		b.WriteString(strings.Repeat("  ", i) + part + ":")
+		if i < len(parts)-1 {
+			b.WriteString("\n")
+		}
+	}
+	b.WriteString(" " + value + "\n")
+	return b.String()
+}
+
+// Phase 1 warns about each former key it read, with where it was and what to
+// write instead. The file is the German spec's lifecycle block, whose keys
+// SPEC.md promises keep working.
+func TestDeprecatedKeyIsLogged(t *testing.T) {
+	t.Chdir(t.TempDir())
+	const germanSpecBlock = `lifecycle:
+  startupTimeoutSec: 121
+  shutdownTimeoutSec: 41
+  lingerSec: 4
+  drainTimeoutSec: 31
+  migrations:
+    mode: auto-apply
+  leaderElection:
+    enabled: true
+    lockTtlSec: 16
+    heartbeatIntervalSec: 6
+`
+	if err := os.WriteFile(configFileName, []byte(germanSpecBlock), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	logs := &syncBuffer{}
+	a := newApp(fakeGetenv(map[string]string{"KUMIKO_LOG_FORMAT": "json"}), logs)
+	if err := a.config(t.Context(), nil); err != nil {
+		t.Fatalf("loadConfig: %v", err)
+	}
+	l := a.cfg.Lifecycle
+	got := []time.Duration{l.StartupTimeout, l.ShutdownTimeout, l.Linger, l.DrainTimeout, l.LeaderElection.LockTTL, l.LeaderElection.RenewInterval}
+	want := []time.Duration{121 * time.Second, 41 * time.Second, 4 * time.Second, 31 * time.Second, 16 * time.Second, 6 * time.Second}
+	if !slices.Equal(got, want) {
+		t.Errorf("startup, shutdown, linger, drain, lock TTL, renew interval = %v, want %v", got, want)
+	}
+	for _, w := range []struct {
+		line     float64
+		key, use string
+	}{
+		{2, "lifecycle.startupTimeoutSec", "lifecycle.startupTimeout"},
+		{3, "lifecycle.shutdownTimeoutSec", "lifecycle.shutdownTimeout"},
+		{4, "lifecycle.lingerSec", "lifecycle.linger"},
+		{5, "lifecycle.drainTimeoutSec", "lifecycle.drainTimeout"},
+		{10, "lifecycle.leaderElection.lockTtlSec", "lifecycle.leaderElection.lockTtl"},
+		{11, "lifecycle.leaderElection.heartbeatIntervalSec", "lifecycle.leaderElection.renewInterval"},
+	} {
+		want := map[string]any{"level": "warning", "msg": "deprecated config key", "component": "config",
+			"file": configFileName, "line": w.line, "key": w.key, "use": w.use}
+		if logs.find(want) == nil {
+			t.Errorf("no log line %v in:\n%s", want, logs.String())
 		}
 	}
 }
 
-// The example file documents every setting with its default: it must load,
-// name every key of the table, and change nothing.
-func TestExampleConfigFileIsCompleteAndDefault(t *testing.T) {
-	data, err := os.ReadFile("kumiko.config.example.yaml")
+// update rewrites the files generated from the settings table instead of
+// checking them: go test -run 'TestConfigReferenceInREADME|TestExampleConfigFile' -update
+var update = flag.Bool("update", false, "rewrite the README's config reference and kumiko.config.example.yaml from the settings table")
+
+// checkGenerated compares the part of file between the begin and end lines
+// with want, or rewrites it with -update.
+func checkGenerated(t *testing.T, file, begin, end, want string) {
+	t.Helper()
+	data, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before, rest, ok1 := strings.Cut(string(data), begin)
+	got, after, ok2 := strings.Cut(rest, end)
+	if !ok1 || !ok2 {
+		t.Fatalf("%s has no %q ... %q block", file, begin, end)
+	}
+	if got == want {
+		return
+	}
+	if *update {
+		if err := os.WriteFile(file, []byte(before+begin+want+end+after), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	gotLines, wantLines := strings.Split(got, "\n"), strings.Split(want, "\n")
+	for i := range max(len(gotLines), len(wantLines)) {
+		g, w := "", ""
+		if i < len(gotLines) {
+			g = gotLines[i]
+		}
+		if i < len(wantLines) {
+			w = wantLines[i]
+		}
+		if g != w {
+			t.Fatalf("%s differs from the settings table at line %d of its generated block:\n got %q\nwant %q\n"+
+				"run: go test -run 'TestConfigReferenceInREADME|TestExampleConfigFile' -update", file, i+1, g, w)
+		}
+	}
+}
+
+// The README's config reference is the settings table, rendered.
+func TestConfigReferenceInREADME(t *testing.T) {
+	checkGenerated(t, "README.md", "<!-- config reference: generated from settings() in config.go -->\n",
+		"<!-- end of config reference -->", configReference())
+}
+
+func configReference() string {
+	var b strings.Builder
+	b.WriteString("| environment | file key | default | value | |\n|---|---|---|---|---|\n")
+	var c config
+	var former []string
+	for _, s := range c.settings() {
+		def := "—"
+		if s.def != "" {
+			def = "`" + s.def + "`"
+		}
+		doc := s.doc
+		if s.required {
+			doc = "**required**: " + doc
+		}
+		fmt.Fprintf(&b, "| `%s` | `%s` | %s | %s | %s |\n", s.env, s.key, def, s.value.rule(), strings.ReplaceAll(doc, "|", `\|`))
+		if s.old != "" {
+			former = append(former, fmt.Sprintf("`%s` → `%s`", s.old, s.key))
+		}
+	}
+	b.WriteString("\nFormer file keys, still read but logged as `deprecated config key` warnings: " + strings.Join(former, ", ") + ".\n")
+	return b.String()
+}
+
+// The example file is the settings table, rendered: every key, its default,
+// its environment name and its doc. It must load and change nothing.
+func TestExampleConfigFile(t *testing.T) {
+	const file = "kumiko.config.example.yaml"
+	checkGenerated(t, file, "# --- generated from settings() in config.go ---\n", "# --- end ---\n", exampleConfig())
+
+	data, err := os.ReadFile(file)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -590,8 +736,8 @@ func TestExampleConfigFileIsCompleteAndDefault(t *testing.T) {
 	}
 	var c config
 	for _, s := range c.settings() {
-		if _, ok := values[s.yaml]; !ok {
-			t.Errorf("the example file lacks %s", s.yaml)
+		if _, ok := values[s.key]; !ok {
+			t.Errorf("the example file lacks %s", s.key)
 		}
 	}
 	got, err := loadTestConfig(map[string]string{"KUMIKO_INSTANCE_ID": "x"}, string(data))
@@ -602,4 +748,35 @@ func TestExampleConfigFileIsCompleteAndDefault(t *testing.T) {
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("the example file changes the defaults:\n got %+v\nwant %+v", got, want)
 	}
+}
+
+func exampleConfig() string {
+	var b strings.Builder
+	var c config
+	var open []string // the sections the previous key was in
+	for _, s := range c.settings() {
+		parts := strings.Split(s.key, ".")
+		sections, leaf := parts[:len(parts)-1], parts[len(parts)-1]
+		same := 0
+		for same < len(open) && same < len(sections) && open[same] == sections[same] {
+			same++
+		}
+		if same == 0 && len(sections) > 0 && b.Len() > 0 {
+			b.WriteString("\n")
+		}
+		for i := same; i < len(sections); i++ {
+			fmt.Fprintf(&b, "%s%s:\n", strings.Repeat("  ", i), sections[i])
+		}
+		open = sections
+		value := s.def
+		if !regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._/-]*$`).MatchString(value) {
+			value = strconv.Quote(value) // "", ":8080", "@hourly", "*/5 * * * *"
+		}
+		comment := s.env
+		if s.required {
+			comment += " (required)"
+		}
+		fmt.Fprintf(&b, "%-28s # %s — %s\n", strings.Repeat("  ", len(sections))+leaf+": "+value, comment, s.doc)
+	}
+	return b.String()
 }
