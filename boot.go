@@ -20,7 +20,8 @@ import (
 // is requested, which aborts the boot at the phase it is in.
 func (a *app) boot(ctx context.Context) error {
 	// 1. defaults, overridden by kumiko.config.yaml, overridden by the environment; every problem at once.
-	if err := a.lc.runPhase(ctx, "config", configPhaseTimeout, failExit, a.config); err != nil {
+	//    It runs before the configured timeouts are known, so on the default phase timeout.
+	if err := a.lc.runPhase(ctx, "config", a.timeouts.phase, failExit, a.config); err != nil {
 		return err
 	}
 

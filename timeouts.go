@@ -24,10 +24,6 @@ type timeouts struct {
 	jobsSoftStop time.Duration
 }
 
-// configPhaseTimeout bounds phase 1, which runs before the config that times
-// everything else is known.
-const configPhaseTimeout = 30 * time.Second
-
 // abandonGrace is how long a function whose context has ended may take to
 // return its own, more telling error before the lifecycle stops waiting for it.
 const abandonGrace = 100 * time.Millisecond
