@@ -139,7 +139,7 @@ func (a *app) validateBoot(ctx context.Context, p *phaseRun) error {
 // that "address in use" ends the boot at once instead of surfacing later in a
 // goroutine.
 func (a *app) listenAPI(ctx context.Context, p *phaseRun) error {
-	hub := newSSEHub(a.db, a.redis, a.cfg.SSE, a.cfg.Outbox.PollInterval, a.log, a.metrics, func(r any) { a.panicked("sse", r) })
+	hub := newSSEHub(a.db, a.redis, a.cfg.SSE, a.cfg.Outbox.PollInterval, a.log, a.metrics, a.panicked)
 	if err := hub.Start(ctx); err != nil {
 		return err
 	}
@@ -175,7 +175,7 @@ func (a *app) startOutboxPoller(ctx context.Context, p *phaseRun) error {
 
 	beat := a.heartbeats.RegisterHeartbeat("outbox", "outboxPoller")
 	poller := newOutboxPoller(a.db, a.redis, a.cfg.Outbox, beat, a.cfg.Lifecycle.Heartbeat.Interval, j.insertForEvents,
-		a.log, a.metrics, func(r any) { a.panicked("outboxPoller", r) })
+		a.log, a.metrics, a.panicked)
 	if err := a.retry(ctx, p, "outboxPoller", 3, poller.Start); err != nil {
 		return err
 	}
@@ -192,7 +192,7 @@ func (a *app) startJobsWorker(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	jobsBeat := newBeatLoop(a.heartbeats.RegisterHeartbeat("jobs", "jobsWorker"), a.cfg.Lifecycle.Heartbeat.Interval,
-		a.log.WithField("component", "jobs"))
+		a.log.WithField("component", "jobs"), a.panicked)
 	if err := jobsBeat.Start(ctx); err != nil {
 		return err
 	}
@@ -206,8 +206,7 @@ func (a *app) startJobsWorker(ctx context.Context, p *phaseRun) error {
 	sched := &scheduler{db: a.db, jobs: a.jobs, crons: cronsOf(a.features),
 		beat: a.heartbeats.RegisterHeartbeat("scheduler", ""), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
 		log: a.log.WithField("component", "scheduler")}
-	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, sched.lead, sched.fence, a.log, a.metrics,
-		func(r any) { a.panicked("leader", r) })
+	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, sched.lead, sched.fence, a.log, a.metrics, a.panicked)
 	if err := a.retry(ctx, p, "leaderElection", 3, el.Start); err != nil {
 		return err
 	}
@@ -251,14 +250,6 @@ func (a *app) becomeReady() {
 func (a *app) serverFailed(err error) {
 	a.log.WithField("component", "lifecycle").WithError(err).Error("listener failed")
 	a.stop.request(stopRequest{reason: "listener failed", failed: true})
-}
-
-// recoverToShutdown is deferred first in every background goroutine the app
-// starts itself; components take panicked as their onPanic.
-func (a *app) recoverToShutdown(component string) {
-	if r := recover(); r != nil {
-		a.panicked(component, r)
-	}
 }
 
 // panicked handles a panic in a background goroutine. The process is in an
