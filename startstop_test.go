@@ -3,28 +3,15 @@ package main
 import (
 	"context"
 	"errors"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 )
 
-// panics records what a startStop's onPanic was given.
-type panics struct {
-	mu  sync.Mutex
-	got []string
-}
-
-func (p *panics) onPanic(component string, recovered any) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.got = append(p.got, component+": "+recovered.(string))
-}
-
-func (p *panics) list() []string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return append([]string(nil), p.got...)
+// recordPanics returns an onPanic that records what it is given, and the record.
+func recordPanics() (func(string, any), chan string) {
+	got := make(chan string, 8)
+	return func(component string, recovered any) { got <- component + ": " + recovered.(string) }, got
 }
 
 func noPanic(t *testing.T) func(string, any) {
@@ -75,24 +62,22 @@ func TestStartStopSecondStartIsANoOp(t *testing.T) {
 
 func TestStartStopStopBeforeStartAndTwice(t *testing.T) {
 	s := newStartStop("w", stopSoft, noPanic(t))
-	if err := stopWithin(t, s, context.Background()); err != nil {
-		t.Fatalf("Stop before Start: %v", err)
+	untilStopped := func(context.Context) { <-s.stopping() }
+	steps := []struct {
+		what string
+		do   func() error
+	}{
+		{"Stop before Start", func() error { return stopWithin(t, s, context.Background()) }},
+		{"Start after a Stop before Start", func() error { return s.start(context.Background(), nil, untilStopped) }},
+		{"Stop", func() error { return stopWithin(t, s, context.Background()) }},
+		{"second Stop", func() error { return stopWithin(t, s, context.Background()) }},
+		{"restart once stopped", func() error { return s.start(context.Background(), nil, untilStopped) }}, // as River's services can
+		{"Stop after the restart", func() error { return stopWithin(t, s, context.Background()) }},
 	}
-	if err := s.start(context.Background(), nil, func(ctx context.Context) { <-s.stopping() }); err != nil {
-		t.Fatalf("Start after a Stop before Start: %v", err)
-	}
-	if err := stopWithin(t, s, context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	if err := stopWithin(t, s, context.Background()); err != nil {
-		t.Fatalf("second Stop: %v", err)
-	}
-	// Stopped, it can start again (River's services can too).
-	if err := s.start(context.Background(), nil, func(ctx context.Context) { <-s.stopping() }); err != nil {
-		t.Fatalf("restart: %v", err)
-	}
-	if err := stopWithin(t, s, context.Background()); err != nil {
-		t.Fatal(err)
+	for _, step := range steps {
+		if err := step.do(); err != nil {
+			t.Fatalf("%s: %v", step.what, err)
+		}
 	}
 }
 
@@ -237,8 +222,8 @@ func TestStartStopGoroutineOutlivingTheHardStop(t *testing.T) {
 func TestStartStopPanicGoesToOnPanicOnce(t *testing.T) {
 	for _, where := range []string{"run", "child"} {
 		t.Run(where, func(t *testing.T) {
-			var p panics
-			s := newStartStop("w", stopSoft, p.onPanic)
+			onPanic, got := recordPanics()
+			s := newStartStop("w", stopSoft, onPanic)
 			run := func(context.Context) { panic("bug in run") }
 			if where == "child" {
 				run = func(ctx context.Context) {
@@ -252,8 +237,14 @@ func TestStartStopPanicGoesToOnPanicOnce(t *testing.T) {
 			if err := stopWithin(t, s, context.Background()); err != nil {
 				t.Fatalf("Stop after a panic: %v", err)
 			}
-			if got := p.list(); len(got) != 1 || got[0] != "w: bug in "+where {
-				t.Fatalf("onPanic got %q, want once %q", got, "w: bug in "+where)
+			// Stop has returned, so every recovered panic has been handed over.
+			close(got)
+			var all []string
+			for p := range got {
+				all = append(all, p)
+			}
+			if len(all) != 1 || all[0] != "w: bug in "+where {
+				t.Fatalf("onPanic got %q, want once %q", all, "w: bug in "+where)
 			}
 		})
 	}
