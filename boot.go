@@ -171,7 +171,7 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 
 	beat := a.heartbeats.RegisterHeartbeat("outbox", "outboxPoller")
 	poller := newOutboxPoller(a.db, a.redis, a.cfg.Outbox, beat, a.cfg.Lifecycle.Heartbeat.Interval, j.insertForEvents,
-		a.log, a.metrics, func(r any) { a.panicked("outboxPoller", r) })
+		a.log, a.metrics, a.panicked)
 	if err := a.retry(ctx, p, "outboxPoller", 3, poller.Start); err != nil {
 		return err
 	}
@@ -188,7 +188,7 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	jobsBeat := newBeatLoop(a.heartbeats.RegisterHeartbeat("jobs", "jobsWorker"), a.cfg.Lifecycle.Heartbeat.Interval,
-		a.log.WithField("component", "jobs"))
+		a.log.WithField("component", "jobs"), a.panicked)
 	if err := jobsBeat.Start(ctx); err != nil {
 		return err
 	}
@@ -202,8 +202,7 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 	sched := &scheduler{db: a.db, jobs: a.jobs, crons: cronsOf(a.features),
 		beat: a.heartbeats.RegisterHeartbeat("scheduler", ""), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
 		log: a.log.WithField("component", "scheduler")}
-	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, sched.lead, sched.fence, a.log, a.metrics,
-		func(r any) { a.panicked("leader", r) })
+	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, sched.lead, sched.fence, a.log, a.metrics, a.panicked)
 	if err := a.retry(ctx, p, "leaderElection", 3, el.Start); err != nil {
 		return err
 	}
@@ -217,7 +216,7 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 // a goroutine. The ops port gets the admin routes that need Redis and the jobs
 // client, which exist from here on.
 func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
-	hub := newSSEHub(a.db, a.redis, a.cfg.SSE, a.cfg.Outbox.PollInterval, a.log, a.metrics, func(r any) { a.panicked("sse", r) })
+	hub := newSSEHub(a.db, a.redis, a.cfg.SSE, a.cfg.Outbox.PollInterval, a.log, a.metrics, a.panicked)
 	if err := hub.Start(ctx); err != nil {
 		return err
 	}

@@ -60,61 +60,41 @@ func (hs *heartbeats) RegisterHeartbeat(worker, check string) *heartbeat {
 }
 
 // beatLoop beats a heartbeat every interval from its own goroutine, for a
-// component (the River client) whose loops live inside a library.
+// component (the River client) whose loops live inside a library. Its Stop
+// (from startStop, stopNow) ends the loop, cancelling a beat in flight.
 type beatLoop struct {
+	*startStop
 	beat     *heartbeat
 	interval time.Duration
 	log      *logrus.Entry
-	stopping chan struct{}
-	done     chan struct{}
 }
 
-func newBeatLoop(beat *heartbeat, interval time.Duration, log *logrus.Entry) *beatLoop {
-	return &beatLoop{beat: beat, interval: interval, log: log, stopping: make(chan struct{})}
+// newBeatLoop names the loop after its worker ("jobs" → "jobsHeartbeat"), also
+// for the panics metric.
+func newBeatLoop(beat *heartbeat, interval time.Duration, log *logrus.Entry, onPanic func(string, any)) *beatLoop {
+	return &beatLoop{startStop: newStartStop(beat.worker+"Heartbeat", stopNow, onPanic), beat: beat, interval: interval, log: log}
 }
 
 // Start writes the first beat synchronously — readiness must not see a
 // worker without one — then beats from its goroutine.
 func (b *beatLoop) Start(ctx context.Context) error {
-	if err := b.beat.beat(ctx); err != nil {
-		return err
-	}
-	b.done = make(chan struct{})
-	go func() {
-		defer close(b.done)
-		tick := time.NewTicker(b.interval)
-		defer tick.Stop()
-		for {
-			select {
-			case <-b.stopping:
-				return
-			case <-tick.C:
-			}
-			ctx, cancel := context.WithTimeout(context.Background(), b.interval)
-			if err := b.beat.beat(ctx); err != nil {
-				b.log.WithError(err).Warn("heartbeat")
-			}
-			cancel()
-		}
-	}()
-	return nil
+	return b.start(ctx, b.beat.beat, b.run)
 }
 
-// Stop ends the loop and waits for it; without Start it returns at once.
-func (b *beatLoop) Stop(ctx context.Context) error {
-	if b.done == nil {
-		return nil
-	}
-	select {
-	case <-b.stopping:
-	default:
-		close(b.stopping)
-	}
-	select {
-	case <-b.done:
-		return nil
-	case <-ctx.Done():
-		return context.Cause(ctx)
+func (b *beatLoop) run(ctx context.Context) {
+	tick := time.NewTicker(b.interval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		bctx, cancel := context.WithTimeout(ctx, b.interval)
+		if err := b.beat.beat(bctx); err != nil && ctx.Err() == nil {
+			b.log.WithError(err).Warn("heartbeat")
+		}
+		cancel()
 	}
 }
 

@@ -111,13 +111,16 @@ func (s *inProcess) stop(t *testing.T) error {
 }
 
 // A panic in a background goroutine is logged with its stack, counted, and
-// starts a graceful shutdown that ends in exit 1.
+// starts a graceful shutdown that ends in exit 1. The goroutine is started the
+// way every background component starts its own: through startStop, with the
+// app's panicked as onPanic.
 func TestBackgroundPanicDrainsAndFails(t *testing.T) {
 	s := startInProcess(t, fastEnv(t))
-	go func() {
-		defer func() { s.app.panicked("testWorker", recover()) }()
-		panic("worker state corrupted")
-	}()
+	w := newStartStop("testWorker", stopNow, s.app.panicked)
+	t.Cleanup(func() { w.Stop(context.Background()) })
+	if err := w.start(context.Background(), nil, func(context.Context) { panic("worker state corrupted") }); err != nil {
+		t.Fatal(err)
+	}
 	select {
 	case err := <-s.done:
 		s.done <- err

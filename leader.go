@@ -59,7 +59,11 @@ return 0`)
 // "am I leader": exclusive work lives inside lead. When lead returns a
 // *fencedError (the database knows a newer token) the elector steps down,
 // releases the lock and acquires again with a token drawn above the fence.
+//
+// Its Stop (from startStop, stopSoft) ends leadership — lead returns, the lock
+// is deleted with a compare-and-DEL, followers are told at once — and waits.
 type elector struct {
+	*startStop
 	rdb        *redis.Client
 	instanceID string
 	ttl, renew time.Duration
@@ -67,81 +71,50 @@ type elector struct {
 	fence      func(ctx context.Context) (int64, error) // the token the database holds now
 	log        *logrus.Entry
 	metrics    *metrics
-	onPanic    func(any)
 
 	mu          sync.Mutex
 	leading     bool
 	fenced      bool      // fenced and not yet leading again with a valid token
 	lastFenced  time.Time // for the readiness body
 	fencedTotal int
-	stopping    chan struct{}
-	done        chan struct{}
 }
 
 func newElector(rdb *redis.Client, instanceID string, ttl, renew time.Duration, lead func(context.Context, int64) error,
-	fence func(context.Context) (int64, error), log *logrus.Logger, m *metrics, onPanic func(any)) *elector {
-	return &elector{rdb: rdb, instanceID: instanceID, ttl: ttl, renew: renew, lead: lead, fence: fence,
-		log: log.WithField("component", "leader"), metrics: m, onPanic: onPanic}
+	fence func(context.Context) (int64, error), log *logrus.Logger, m *metrics, onPanic func(string, any)) *elector {
+	return &elector{startStop: newStartStop("leader", stopSoft, onPanic),
+		rdb: rdb, instanceID: instanceID, ttl: ttl, renew: renew, lead: lead, fence: fence,
+		log: log.WithField("component", "leader"), metrics: m}
 }
 
 // Start checks Redis synchronously, then starts the election loop.
 func (e *elector) Start(ctx context.Context) error {
-	if e.done != nil {
-		return errors.New("elector already started")
-	}
-	if err := e.rdb.Ping(ctx).Err(); err != nil {
-		return fmt.Errorf("leader election needs Redis: %w", err)
-	}
-	e.stopping, e.done = make(chan struct{}), make(chan struct{})
-	go e.run()
-	return nil
-}
-
-// Stop ends leadership (lead returns, the lock is deleted with a
-// compare-and-DEL, followers are told at once) and waits, within ctx.
-func (e *elector) Stop(ctx context.Context) error {
-	if e.done == nil {
-		return nil
-	}
-	e.mu.Lock()
-	select {
-	case <-e.stopping:
-	default:
-		close(e.stopping)
-	}
-	e.mu.Unlock()
-	select {
-	case <-e.done:
-		return nil
-	case <-ctx.Done():
-		return fmt.Errorf("leader election did not stop: %w", context.Cause(ctx))
-	}
-}
-
-func (e *elector) run() {
-	defer close(e.done)
-	defer func() {
-		if r := recover(); r != nil {
-			e.onPanic(r)
+	return e.start(ctx, func(ctx context.Context) error {
+		if err := e.rdb.Ping(ctx).Err(); err != nil {
+			return fmt.Errorf("leader election needs Redis: %w", err)
 		}
-	}()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
+		return nil
+	}, e.run)
+}
 
+// run tries to lead until the elector stops. An acquisition in progress is
+// not cut short by the soft stop, so the lock is never set without this
+// instance knowing it holds it (and then releasing it).
+func (e *elector) run(ctx context.Context) {
 	// Followers hear a release at once instead of at their next try.
 	released := e.rdb.Subscribe(ctx, leaderReleased)
 	defer released.Close()
 	wake := released.Channel()
 
+	stopping := e.stopping()
 	tick := time.NewTicker(e.renew)
 	defer tick.Stop()
 	for {
 		token, value, ok := e.acquire(ctx)
 		if ok {
-			e.serve(ctx, token, value)
+			e.serve(ctx, stopping, token, value)
 		}
 		select {
-		case <-e.stopping:
+		case <-stopping:
 			return
 		case <-wake:
 		case <-tick.C:
@@ -206,25 +179,15 @@ func (e *elector) setFenced(fenced bool) {
 // renew interval before the key could expire, counted from when the last
 // successful renewal was sent, so a leader cut off from Redis steps down
 // before anyone else can take over.
-func (e *elector) serve(ctx context.Context, token int64, value string) {
+func (e *elector) serve(ctx context.Context, stopping <-chan struct{}, token int64, value string) {
 	log := e.log.WithField("fencing_token", token)
-	leadCtx, stopLeading := context.WithCancel(ctx)
-	led := make(chan struct{})
 	e.setLeading(true)
 	// The token was drawn above the fence: leading with it ends a fencing
 	// (a newer fence met later sets it again).
 	e.setFenced(false)
 	log.Info("became leader")
-	var leadErr error
-	go func() {
-		defer close(led)
-		defer func() {
-			if r := recover(); r != nil {
-				e.onPanic(r)
-			}
-		}()
-		leadErr = e.lead(leadCtx, token)
-	}()
+	var leadErr error // written by lead's goroutine, read after it returned
+	leading := e.goOwned(ctx, func(ctx context.Context) { leadErr = e.lead(ctx, token) })
 
 	deadline := time.Now().Add(e.ttl - e.renew)
 	renew := time.NewTicker(e.renew)
@@ -232,9 +195,9 @@ func (e *elector) serve(ctx context.Context, token int64, value string) {
 	reason := ""
 	for reason == "" {
 		select {
-		case <-e.stopping:
+		case <-stopping:
 			reason = "shutdown"
-		case <-led: // lead gave up on its own: only a fence makes it
+		case <-leading.done: // lead gave up on its own: only a fence makes it
 			reason = "fenced"
 		case <-time.After(time.Until(deadline)):
 			reason = "renew deadline passed"
@@ -256,8 +219,7 @@ func (e *elector) serve(ctx context.Context, token int64, value string) {
 		}
 	}
 
-	stopLeading()
-	<-led
+	leading.stop()
 	e.setLeading(false)
 	log.WithField("reason", reason).Info("stopped leading")
 	if fe := (*fencedError)(nil); errors.As(leadErr, &fe) {

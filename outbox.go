@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -66,7 +65,12 @@ func writeOutboxEvent(ctx context.Context, tx pgx.Tx, aggregateType, aggregateID
 // (LISTEN/NOTIFY); a slow poll is the fallback. Failed deliveries back off
 // exponentially and die after a maximum. Rows a crashed poller held are
 // picked again by the next poller: their transaction died with its connection.
+//
+// Its Stop (from startStop, stopSoft) lets the batch in hand finish and picks
+// no new one; when Stop's ctx ends first the batch is cancelled: its
+// transaction rolls back and the rows stay pending for the next poller.
 type outboxPoller struct {
+	*startStop
 	db      *pgxpool.Pool
 	rdb     *redis.Client
 	cfg     outboxConfig
@@ -74,92 +78,42 @@ type outboxPoller struct {
 	beatInt time.Duration
 	log     *logrus.Entry
 	metrics *metrics
-	onPanic func(recovered any)
 	// alsoInTx inserts the jobs the events trigger, in the delivery
 	// transaction (in a savepoint: an error fails only those events).
 	alsoInTx func(ctx context.Context, tx pgx.Tx, events []outboxEvent) error
 
 	wake  chan struct{}    // buffered 1: "there may be new rows"
 	wakeQ chan outboxEvent // buffered 1: the newest delivered event, for runWaker
-
-	mu       sync.Mutex
-	stopping chan struct{}      // closed by Stop: finish the batch, pick no new one
-	hardStop context.CancelFunc // cancels a batch in flight (its transaction rolls back)
-	done     chan struct{}      // closed when the poller goroutine has returned
 }
 
 func newOutboxPoller(db *pgxpool.Pool, rdb *redis.Client, cfg outboxConfig, beat *heartbeat, beatInterval time.Duration,
-	alsoInTx func(context.Context, pgx.Tx, []outboxEvent) error, log *logrus.Logger, m *metrics, onPanic func(recovered any)) *outboxPoller {
-	return &outboxPoller{db: db, rdb: rdb, cfg: cfg, beat: beat, beatInt: beatInterval, alsoInTx: alsoInTx,
-		log: log.WithField("component", "outboxPoller"), metrics: m, onPanic: onPanic,
+	alsoInTx func(context.Context, pgx.Tx, []outboxEvent) error, log *logrus.Logger, m *metrics, onPanic func(string, any)) *outboxPoller {
+	return &outboxPoller{startStop: newStartStop("outboxPoller", stopSoft, onPanic),
+		db: db, rdb: rdb, cfg: cfg, beat: beat, beatInt: beatInterval, alsoInTx: alsoInTx,
+		log: log.WithField("component", "outboxPoller"), metrics: m,
 		wake: make(chan struct{}, 1), wakeQ: make(chan outboxEvent, 1)}
 }
 
 // Start checks the outbox synchronously (the table is there, the heartbeat
 // can be written), then starts the poller goroutine. It returns once started.
 func (p *outboxPoller) Start(ctx context.Context) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.done != nil {
-		return errors.New("outbox poller already started")
-	}
-	if err := p.updatePending(ctx); err != nil {
-		return err
-	}
-	if err := p.beat.beat(ctx); err != nil {
-		return err
-	}
-	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	p.stopping, p.hardStop, p.done = make(chan struct{}), cancel, make(chan struct{})
-	go p.run(runCtx)
-	return nil
-}
-
-// Stop asks the poller to finish the batch in hand and pick no new one, and
-// waits for it. When ctx ends first the batch is cancelled: its transaction
-// rolls back and the rows stay pending for the next poller. Stop returns by
-// ctx's end (plus a moment's grace) even if a call it cancelled is stuck on a
-// socket; that call then ends on its own timeout. Stop without Start, and a
-// second Stop, return at once.
-func (p *outboxPoller) Stop(ctx context.Context) error {
-	p.mu.Lock()
-	if p.done == nil {
-		p.mu.Unlock()
-		return nil
-	}
-	select {
-	case <-p.stopping:
-	default:
-		close(p.stopping)
-	}
-	done, hardStop := p.done, p.hardStop
-	p.mu.Unlock()
-
-	select {
-	case <-done:
-		hardStop()
-		return nil
-	case <-ctx.Done():
-		hardStop()
-		select {
-		case <-done:
-		case <-time.After(abandonGrace):
+	return p.start(ctx, func(ctx context.Context) error {
+		if err := p.updatePending(ctx); err != nil {
+			return err
 		}
-		return fmt.Errorf("outbox poller stopped hard: %w", context.Cause(ctx))
-	}
+		return p.beat.beat(ctx)
+	}, p.run)
 }
 
 func (p *outboxPoller) run(ctx context.Context) {
-	defer close(p.done)
-	defer p.recoverPanic()
-
 	// The listener only wakes the loop; if it is down (or off) the poll still delivers.
 	if p.cfg.Listen {
-		defer p.startOwned(ctx, p.listen)()
+		defer p.goOwned(ctx, p.listen).stop()
 	}
 	// The waker publishes after the commits, so Redis never holds a delivery.
-	defer p.startOwned(ctx, p.runWaker)()
+	defer p.goOwned(ctx, p.runWaker).stop()
 
+	stopping := p.stopping()
 	poll := time.NewTicker(p.cfg.PollInterval)
 	defer poll.Stop()
 	beat := time.NewTicker(p.beatInt)
@@ -167,7 +121,7 @@ func (p *outboxPoller) run(ctx context.Context) {
 	for {
 		p.deliverDue(ctx)
 		select {
-		case <-p.stopping:
+		case <-stopping:
 			return
 		case <-p.wake:
 		case <-poll.C:
@@ -179,27 +133,6 @@ func (p *outboxPoller) run(ctx context.Context) {
 				p.log.WithError(err).Warn("heartbeat")
 			}
 		}
-	}
-}
-
-// startOwned runs fn in a goroutine the poller owns: a panic in it becomes a
-// graceful shutdown, and the returned stop cancels it and waits for it.
-func (p *outboxPoller) startOwned(ctx context.Context, fn func(context.Context)) (stop func()) {
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		defer p.recoverPanic()
-		fn(ctx)
-	}()
-	return func() { cancel(); <-done }
-}
-
-// recoverPanic is deferred by the poller's goroutines: a panic there turns
-// into a graceful shutdown instead of killing the process mid-batch.
-func (p *outboxPoller) recoverPanic() {
-	if r := recover(); r != nil {
-		p.onPanic(r)
 	}
 }
 
@@ -246,7 +179,7 @@ func (w wakeHandler) HandleBacklog(context.Context, string, *pgx.Conn) error {
 func (p *outboxPoller) deliverDue(ctx context.Context) {
 	for {
 		select {
-		case <-p.stopping:
+		case <-p.stopping():
 			return
 		default:
 		}

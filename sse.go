@@ -35,14 +35,18 @@ const streamBuffer = 1024
 // order (delivery_seq), so no stream ever skips one. Redis pub/sub only wakes
 // it — from any instance's poller — and a periodic catch-up covers messages a
 // Redis outage swallowed.
+//
+// Its Stop (from startStop, stopNow) ends the hub goroutine and a catch-up in
+// progress at once. Streams are closed by closeStreams, a step of the drain,
+// before it runs.
 type sseHub struct {
+	*startStop
 	db      *pgxpool.Pool
 	rdb     *redis.Client
 	cfg     sseConfig
 	poll    time.Duration
 	log     *logrus.Entry
 	metrics *metrics
-	onPanic func(recovered any)
 
 	mu sync.Mutex
 	// handlers are the streams whose handler has not returned yet: they count
@@ -60,9 +64,7 @@ type sseHub struct {
 	// taking every pool connection the API and the workers need.
 	replaying chan struct{}
 
-	pubsub   *redis.PubSub
-	stopping chan struct{}
-	done     chan struct{}
+	pubsub *redis.PubSub
 }
 
 // sseStream is one client's stream as the hub sees it.
@@ -138,75 +140,42 @@ func (s *sseStream) send(w http.ResponseWriter, frames []byte) error {
 	return s.flush()
 }
 
-func newSSEHub(db *pgxpool.Pool, rdb *redis.Client, cfg sseConfig, poll time.Duration, log *logrus.Logger, m *metrics, onPanic func(any)) *sseHub {
-	return &sseHub{db: db, rdb: rdb, cfg: cfg, poll: poll, log: log.WithField("component", "sse"), metrics: m,
-		onPanic: onPanic, handlers: map[*sseStream]struct{}{}, subscribed: map[*sseStream]struct{}{}, perIP: map[string]uint{},
+func newSSEHub(db *pgxpool.Pool, rdb *redis.Client, cfg sseConfig, poll time.Duration, log *logrus.Logger, m *metrics, onPanic func(string, any)) *sseHub {
+	return &sseHub{startStop: newStartStop("sse", stopNow, onPanic),
+		db: db, rdb: rdb, cfg: cfg, poll: poll, log: log.WithField("component", "sse"), metrics: m,
+		handlers: map[*sseStream]struct{}{}, subscribed: map[*sseStream]struct{}{}, perIP: map[string]uint{},
 		replaying: make(chan struct{}, max(1, db.Config().MaxConns/4))}
 }
 
 // Start subscribes to the events channel and reads where delivery stands, both
 // synchronously, then starts the hub goroutine.
 func (h *sseHub) Start(ctx context.Context) error {
-	if h.done != nil {
-		return errors.New("sse hub already started")
-	}
-	if err := h.db.QueryRow(ctx, `SELECT coalesce(max(delivery_seq), 0) FROM outbox_events`).Scan(&h.cursor); err != nil {
-		return fmt.Errorf("reading the delivery position: %w", err)
-	}
-	pubsub := h.rdb.Subscribe(ctx, eventsChannel)
-	if _, err := pubsub.Receive(ctx); err != nil {
-		pubsub.Close()
-		return fmt.Errorf("subscribing to %s: %w", eventsChannel, err)
-	}
-	h.pubsub, h.stopping, h.done = pubsub, make(chan struct{}), make(chan struct{})
-	go h.run(context.WithoutCancel(ctx))
-	return nil
-}
-
-// Stop ends the hub goroutine and waits for it. Streams are closed by
-// closeStreams, a step of the drain, before this runs.
-func (h *sseHub) Stop(ctx context.Context) error {
-	if h.done == nil {
+	return h.start(ctx, func(ctx context.Context) error {
+		if err := h.db.QueryRow(ctx, `SELECT coalesce(max(delivery_seq), 0) FROM outbox_events`).Scan(&h.cursor); err != nil {
+			return fmt.Errorf("reading the delivery position: %w", err)
+		}
+		pubsub := h.rdb.Subscribe(ctx, eventsChannel)
+		if _, err := pubsub.Receive(ctx); err != nil {
+			pubsub.Close()
+			return fmt.Errorf("subscribing to %s: %w", eventsChannel, err)
+		}
+		h.pubsub = pubsub
 		return nil
-	}
-	h.mu.Lock()
-	select {
-	case <-h.stopping:
-	default:
-		close(h.stopping)
-	}
-	h.mu.Unlock()
-	select {
-	case <-h.done:
-		return h.pubsub.Close()
-	case <-ctx.Done():
-		return fmt.Errorf("sse hub did not stop: %w", context.Cause(ctx))
-	}
+	}, h.run)
 }
 
 func (h *sseHub) run(ctx context.Context) {
-	defer close(h.done)
 	defer func() {
-		if r := recover(); r != nil {
-			h.onPanic(r)
+		if err := h.pubsub.Close(); err != nil {
+			h.log.WithError(err).Warn("closing the events subscription")
 		}
 	}()
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	go func() { // let a catch-up in progress end with the hub
-		select {
-		case <-h.stopping:
-		case <-ctx.Done():
-		}
-		cancel()
-	}()
-
 	messages := h.pubsub.Channel()
 	tick := time.NewTicker(h.poll)
 	defer tick.Stop()
 	for {
 		select {
-		case <-h.stopping:
+		case <-ctx.Done():
 			return
 		case msg := <-messages:
 			var ev outboxEvent

@@ -28,6 +28,12 @@ type timeouts struct {
 // return its own, more telling error before the lifecycle stops waiting for it.
 const abandonGrace = 100 * time.Millisecond
 
+// hardStopGrace is how long a background component's Stop waits for its
+// goroutines after cancelling their context (startstop.go). It is shorter
+// than abandonGrace so that, inside a shutdown hook, Stop's own error
+// (naming what still runs) is the one that gets logged.
+const hardStopGrace = abandonGrace / 2
+
 func lifecycleTimeouts(l lifecycleConfig) timeouts {
 	releases := l.ShutdownTimeout - l.Linger - l.DrainTimeout // > 0: config validation says so
 	return timeouts{
