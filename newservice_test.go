@@ -114,7 +114,7 @@ func TestNewServiceScriptRenamesACopy(t *testing.T) {
 		t.Errorf("go.mod of the copy: %v\n%.200s", err, data)
 	}
 
-	// In the copy, offline (the module cache is shared): vet, gofmt, the
+	// In the copy, offline (the module cache is shared): vet ./..., gofmt, the
 	// copy's own boot-to-ready + SIGTERM drain + exit 0 test (it also reads the
 	// renamed metrics and env names), and the binary says its new name. The
 	// build comes last: it reuses what the test compiled, and this order keeps
@@ -138,7 +138,7 @@ func TestNewServiceScriptRenamesACopy(t *testing.T) {
 		}
 		return string(out)
 	}
-	goCmd(3*time.Minute, "vet", ".")
+	goCmd(3*time.Minute, "vet", "./...")
 	gofmtCmd := exec.Command("gofmt", "-l", ".")
 	gofmtCmd.Dir = dir
 	if out, err := gofmtCmd.CombinedOutput(); err != nil || len(out) > 0 {
