@@ -16,7 +16,18 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-const serviceName = "kumiko-lifecycle-demo"
+// The service's names, in one place: the Go code derives every name from
+// this block, which the template's scripts/new-service.sh sets for a new
+// service. Environment variables keep their literal KUMIKO_ names (greppable,
+// and the SPEC names them); that script rewrites the prefix as text.
+const (
+	serviceName     = "kumiko-lifecycle-demo" // binary, `version`, OTel service.name and tracer, Postgres/Redis client names
+	metricNamespace = "kumiko"                // every metric is kumiko_<name>
+	redisKeyPrefix  = "kumiko:"               // Redis keys and channels of this service (not the SPEC's shared lifecycle:/heartbeat: keys)
+	// advisoryLockKey is this service's Postgres advisory lock ("kumiko" in
+	// ASCII). Two services sharing a database need different keys.
+	advisoryLockKey = 0x6b756d696b6f
+)
 
 // version is set at build time: go build -ldflags "-X main.version=v1.2.3".
 var version = "dev"

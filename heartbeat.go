@@ -158,7 +158,7 @@ func (hs *heartbeats) clear(ctx context.Context) error {
 // computed at scrape time so a stuck worker's age keeps growing.
 type heartbeatAgeCollector struct{ hs *heartbeats }
 
-var heartbeatAgeDesc = prometheus.NewDesc("kumiko_worker_heartbeat_age_seconds",
+var heartbeatAgeDesc = prometheus.NewDesc(prometheus.BuildFQName(metricNamespace, "", "worker_heartbeat_age_seconds"),
 	"Seconds since this instance's worker last wrote its heartbeat.", []string{"worker"}, nil)
 
 func (c heartbeatAgeCollector) Describe(ch chan<- *prometheus.Desc) { ch <- heartbeatAgeDesc }

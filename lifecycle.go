@@ -64,7 +64,7 @@ type stateListener struct {
 
 func newLifecycle(log *logrus.Logger, m *metrics, born time.Time) *Lifecycle {
 	lc := &Lifecycle{log: log.WithField("component", "lifecycle"), metrics: m, born: born,
-		trace: noop.NewTracerProvider().Tracer("kumiko")}
+		trace: noop.NewTracerProvider().Tracer(serviceName)}
 	m.setState(StateStarting)
 	return lc
 }

@@ -115,93 +115,93 @@ func newMetrics() *metrics {
 	m := &metrics{
 		registry: prometheus.NewRegistry(),
 		state: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "kumiko_lifecycle_state", Help: "1 for the current lifecycle state, 0 for the others.",
+			Namespace: metricNamespace, Name: "lifecycle_state", Help: "1 for the current lifecycle state, 0 for the others.",
 		}, []string{"state"}),
 		stateChanges: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kumiko_lifecycle_state_changes_total", Help: "Lifecycle state transitions.",
+			Namespace: metricNamespace, Name: "lifecycle_state_changes_total", Help: "Lifecycle state transitions.",
 		}, []string{"from", "to"}),
 		phaseDuration: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "kumiko_startup_phase_duration_seconds", Help: "How long each startup phase took in this process's boot.",
+			Namespace: metricNamespace, Name: "startup_phase_duration_seconds", Help: "How long each startup phase took in this process's boot.",
 		}, []string{"phase"}),
 		startupDuration: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "kumiko_startup_duration_seconds", Help: "From process start to ready.",
+			Namespace: metricNamespace, Name: "startup_duration_seconds", Help: "From process start to ready.",
 		}),
 		shutdownStep: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "kumiko_shutdown_step_duration_seconds", Help: "How long each shutdown step took.",
+			Namespace: metricNamespace, Name: "shutdown_step_duration_seconds", Help: "How long each shutdown step took.",
 		}, []string{"step"}),
 		shutdownForced: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kumiko_shutdown_forced_total", Help: "In-flight requests force-closed because the drain timeout ran out.",
+			Namespace: metricNamespace, Name: "shutdown_forced_total", Help: "In-flight requests force-closed because the drain timeout ran out.",
 		}),
 		httpInFlight: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "kumiko_http_requests_in_flight", Help: "API requests being served now.",
+			Namespace: metricNamespace, Name: "http_requests_in_flight", Help: "API requests being served now.",
 		}),
 		httpRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kumiko_http_requests_total", Help: "API requests by route template and status code.",
+			Namespace: metricNamespace, Name: "http_requests_total", Help: "API requests by route template and status code.",
 		}, []string{"route", "code"}),
 		httpDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "kumiko_http_request_duration_seconds", Help: "API request latency by route template.",
+			Namespace: metricNamespace, Name: "http_request_duration_seconds", Help: "API request latency by route template.",
 			Buckets: prometheus.DefBuckets,
 		}, []string{"route"}),
 		readinessOK: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "kumiko_readiness_check_ok", Help: "1 when the readiness check passed at its last probe.",
+			Namespace: metricNamespace, Name: "readiness_check_ok", Help: "1 when the readiness check passed at its last probe.",
 		}, []string{"check"}),
 		readinessProbes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kumiko_readiness_probes_total", Help: "Dependency probes actually run (cache misses), by check.",
+			Namespace: metricNamespace, Name: "readiness_probes_total", Help: "Dependency probes actually run (cache misses), by check.",
 		}, []string{"check"}),
 		panics: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kumiko_panics_total", Help: "Recovered panics, by where they happened.",
+			Namespace: metricNamespace, Name: "panics_total", Help: "Recovered panics, by where they happened.",
 		}, []string{"component"}),
 		connectAttempts: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kumiko_connect_attempts_total", Help: "Connection attempts of the connect phases, by target and result.",
+			Namespace: metricNamespace, Name: "connect_attempts_total", Help: "Connection attempts of the connect phases, by target and result.",
 		}, []string{"target", "result"}),
 		heartbeatWritten: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kumiko_worker_heartbeats_total", Help: "Heartbeats written to Redis, by worker and result.",
+			Namespace: metricNamespace, Name: "worker_heartbeats_total", Help: "Heartbeats written to Redis, by worker and result.",
 		}, []string{"worker", "result"}),
 		outboxPending: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "kumiko_outbox_pending", Help: "Outbox events neither delivered nor dead.",
+			Namespace: metricNamespace, Name: "outbox_pending", Help: "Outbox events neither delivered nor dead.",
 		}),
 		outboxDelivered: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kumiko_outbox_delivered_total", Help: "Outbox events delivered by this instance.",
+			Namespace: metricNamespace, Name: "outbox_delivered_total", Help: "Outbox events delivered by this instance.",
 		}),
 		outboxFailed: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kumiko_outbox_failed_total", Help: "Outbox delivery attempts that failed (retried later).",
+			Namespace: metricNamespace, Name: "outbox_failed_total", Help: "Outbox delivery attempts that failed (retried later).",
 		}),
 		outboxDead: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kumiko_outbox_dead_total", Help: "Outbox events given up after the maximum attempts.",
+			Namespace: metricNamespace, Name: "outbox_dead_total", Help: "Outbox events given up after the maximum attempts.",
 		}),
 		outboxWakeFailed: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kumiko_outbox_wake_failed_total", Help: "Redis wake-ups of the SSE hubs that failed (delivery is unaffected; hubs poll Postgres).",
+			Namespace: metricNamespace, Name: "outbox_wake_failed_total", Help: "Redis wake-ups of the SSE hubs that failed (delivery is unaffected; hubs poll Postgres).",
 		}),
 		outboxLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name: "kumiko_outbox_delivery_latency_seconds", Help: "From writing an event to its delivery.",
+			Namespace: metricNamespace, Name: "outbox_delivery_latency_seconds", Help: "From writing an event to its delivery.",
 			Buckets: []float64{.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 5, 30},
 		}),
 		sseStreams: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "kumiko_sse_streams", Help: "Open event streams on this instance.",
+			Namespace: metricNamespace, Name: "sse_streams", Help: "Open event streams on this instance.",
 		}),
 		sseDropped: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kumiko_sse_slow_streams_closed_total", Help: "Event streams closed because the client fell too far behind.",
+			Namespace: metricNamespace, Name: "sse_slow_streams_closed_total", Help: "Event streams closed because the client fell too far behind.",
 		}),
 		ordersCreated: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kumiko_orders_total", Help: "POST /api/orders outcomes: created, replayed, conflict.",
+			Namespace: metricNamespace, Name: "orders_total", Help: "POST /api/orders outcomes: created, replayed, conflict.",
 		}, []string{"result"}),
 		leader: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "kumiko_leader", Help: "1 while this instance leads (schedules the cron jobs).",
+			Namespace: metricNamespace, Name: "leader", Help: "1 while this instance leads (schedules the cron jobs).",
 		}),
 		leaderTransitions: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kumiko_leader_transitions_total", Help: "Times this instance became or stopped being leader.",
+			Namespace: metricNamespace, Name: "leader_transitions_total", Help: "Times this instance became or stopped being leader.",
 		}),
 		leaderFenced: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "kumiko_leader_fenced", Help: "1 while this instance is fenced: it met a newer fencing token and does not lead with a valid one yet.",
+			Namespace: metricNamespace, Name: "leader_fenced", Help: "1 while this instance is fenced: it met a newer fencing token and does not lead with a valid one yet.",
 		}),
 		leaderFencedTotal: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kumiko_leader_fenced_total", Help: "Times this instance met a fence: a stale token refused, or a token counter behind the fence raised.",
+			Namespace: metricNamespace, Name: "leader_fenced_total", Help: "Times this instance met a fence: a stale token refused, or a token counter behind the fence raised.",
 		}),
 		jobs: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kumiko_jobs_total", Help: "Jobs worked by this instance, by kind and result.",
+			Namespace: metricNamespace, Name: "jobs_total", Help: "Jobs worked by this instance, by kind and result.",
 		}, []string{"kind", "result"}),
 		jobDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "kumiko_job_duration_seconds", Help: "How long jobs took, by kind.", Buckets: prometheus.DefBuckets,
+			Namespace: metricNamespace, Name: "job_duration_seconds", Help: "How long jobs took, by kind.", Buckets: prometheus.DefBuckets,
 		}, []string{"kind"}),
 	}
 	m.registry.MustRegister(
@@ -287,7 +287,7 @@ type tracing struct {
 }
 
 func noopTracing() tracing {
-	return tracing{provider: "noop", tracer: noop.NewTracerProvider().Tracer("kumiko"), shutdown: func(context.Context) error { return nil }}
+	return tracing{provider: "noop", tracer: noop.NewTracerProvider().Tracer(serviceName), shutdown: func(context.Context) error { return nil }}
 }
 
 // setupTracing exports spans over OTLP/HTTP when an endpoint is configured
@@ -328,7 +328,7 @@ func setupTracing(ctx context.Context, getenv func(string) string, instanceID, v
 		return noopTracing(), fmt.Errorf("building the trace resource: %w", err)
 	}
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exporter), sdktrace.WithResource(res))
-	return tracing{provider: "otlp", tracer: tp.Tracer("kumiko"), flush: tp.ForceFlush, shutdown: tp.Shutdown}, nil
+	return tracing{provider: "otlp", tracer: tp.Tracer(serviceName), flush: tp.ForceFlush, shutdown: tp.Shutdown}, nil
 }
 
 // redactURL shows an endpoint without its credentials: the userinfo and the

@@ -19,12 +19,12 @@ import (
 const (
 	// eventsChannel is the Redis pub/sub channel every delivered event is
 	// published on; every instance's SSE hub subscribes to it.
-	eventsChannel = "kumiko:events"
+	eventsChannel = redisKeyPrefix + "events"
 	// outboxNotifyChannel is the Postgres channel the insert trigger notifies.
 	outboxNotifyChannel = "outbox_events"
 	// outboxDeliveryLock is the advisory lock a delivery transaction holds
 	// from taking its sequence numbers until it commits (see migration 2).
-	outboxDeliveryLock = 0x6b756d696b6f // "kumiko"
+	outboxDeliveryLock = advisoryLockKey
 	// wakeTimeout bounds one wake-up publish: a Redis that hangs must not
 	// hold wake-ups back for longer than a hub's own poll would.
 	wakeTimeout = time.Second

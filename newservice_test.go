@@ -1,0 +1,202 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// scripts/new-service.sh turns a copy of the repository into another service:
+// it refuses a dirty tree and a bad NAME, renames everything, and the copy then
+// builds, vets, says its new name, mentions kumiko nowhere and passes its own
+// boot-to-ready + SIGTERM + exit 0 test against real services. It removes
+// itself and this test from the copy, so no file there may mention kumiko.
+func TestNewServiceScriptRenamesACopy(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and tests a renamed copy of the repository")
+	}
+	const module, name = "example.com/acme/orders-svc", "orders-svc"
+	// Services for the copy's own test: started here, handed over by URL so the
+	// copy does not start a second PostgreSQL.
+	pg, err := sharedPostgres()
+	if err != nil {
+		failOrSkip(t, err)
+	}
+	rdb := testRedis(t)
+
+	dir := copyRepo(t)
+	git := func(args ...string) {
+		t.Helper()
+		cmd := exec.Command("git", append([]string{"-c", "user.name=test", "-c", "user.email=test@example.com"}, args...)...)
+		cmd.Dir = dir
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("git %v: %v\n%s", args, err, out)
+		}
+	}
+	script := func(args ...string) (string, error) {
+		cmd := exec.Command("bash", append([]string{"scripts/new-service.sh"}, args...)...)
+		cmd.Dir = dir
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
+	refuses := func(why, want string, args ...string) {
+		t.Helper()
+		out, err := script(args...)
+		if err == nil || !strings.Contains(out, want) {
+			t.Fatalf("%s: new-service.sh %v = %v, want a refusal saying %q; output:\n%s", why, args, err, want, out)
+		}
+	}
+
+	git("init", "-q")
+	git("add", "-A")
+	refuses("uncommitted files", "uncommitted changes", module, name)
+	git("commit", "-q", "-m", "template")
+	refuses("uppercase NAME", "NAME Orders", module, "Orders")
+	refuses("NAME with an underscore", "NAME orders_svc", module, "orders_svc")
+	refuses("MODULE without a domain", "MODULE orders", "orders", name)
+	refuses("one argument", "usage", name)
+
+	out, err := script(module, name)
+	if err != nil {
+		t.Fatalf("new-service.sh: %v\n%s", err, out)
+	}
+	t.Logf("new-service.sh:\n%s", out)
+	git("add", "-A")
+	git("commit", "-q", "-m", "renamed")
+	// The script removed itself; someone running a kept copy of it on the
+	// renamed tree is told so, and nothing changes.
+	if err := copyFile("scripts/new-service.sh", filepath.Join(dir, "scripts/new-service.sh"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	refuses("a second run", "already renamed", module, "billing")
+	if err := os.Remove(filepath.Join(dir, "scripts/new-service.sh")); err != nil {
+		t.Fatal(err)
+	}
+
+	// No file of the copy mentions the template, in any case: the script
+	// removed itself, this test and the README's template section.
+	var mentions []string
+	filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
+		if err != nil {
+			t.Errorf("walking the copy: %v", err)
+			return err
+		}
+		if d.IsDir() && d.Name() == ".git" {
+			return filepath.SkipDir
+		}
+		rel, _ := filepath.Rel(dir, path)
+		if strings.Contains(strings.ToLower(rel), "kumiko") {
+			mentions = append(mentions, rel+" (file name)")
+		}
+		if d.IsDir() {
+			return nil
+		}
+		data, err := os.ReadFile(path)
+		if err != nil {
+			t.Errorf("reading %s: %v", rel, err)
+			return nil
+		}
+		if bytes.Contains(bytes.ToLower(data), []byte("kumiko")) {
+			mentions = append(mentions, rel)
+		}
+		return nil
+	})
+	if len(mentions) > 0 {
+		t.Errorf("files of the renamed copy still mentioning kumiko:\n%s", strings.Join(mentions, "\n"))
+	}
+	if data, err := os.ReadFile(filepath.Join(dir, "go.mod")); err != nil || !strings.HasPrefix(string(data), "module "+module+"\n") {
+		t.Errorf("go.mod of the copy: %v\n%.200s", err, data)
+	}
+
+	// In the copy, offline (the module cache is shared): vet ./..., gofmt, the
+	// copy's own boot-to-ready + SIGTERM drain + exit 0 test (it also reads the
+	// renamed metrics and env names), and the binary says its new name. The
+	// build comes last: it reuses what the test compiled, and this order keeps
+	// the test near 30 s on a loaded machine.
+	goCmd := func(timeout time.Duration, args ...string) string {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, "go", args...)
+		cmd.Dir = dir
+		cmd.Env = append(os.Environ(), "GOPROXY=off", "GOFLAGS=-mod=readonly",
+			"TEST_DATABASE_URL="+pg.adminURL, "TEST_REDIS_URL="+rdb.URL, "ORDERS_SVC_REQUIRE_SERVICES=1")
+		start := time.Now()
+		out, err := cmd.CombinedOutput()
+		t.Logf("go %v in the copy: %s", args, time.Since(start).Round(time.Millisecond))
+		if ctx.Err() != nil {
+			t.Fatalf("go %v in the copy: still running after %s\n%s", args, timeout, out)
+		}
+		if err != nil {
+			t.Fatalf("go %v in the copy: %v\n%s", args, err, out)
+		}
+		return string(out)
+	}
+	goCmd(3*time.Minute, "vet", "./...")
+	gofmtCmd := exec.Command("gofmt", "-l", ".")
+	gofmtCmd.Dir = dir
+	if out, err := gofmtCmd.CombinedOutput(); err != nil || len(out) > 0 {
+		t.Errorf("gofmt -l in the copy: %v\n%s", err, out)
+	}
+	const bootTest = "TestProcessSIGTERMDrain"
+	testOut := goCmd(5*time.Minute, "test", "-count=1", "-v", "-run", "^"+bootTest+"$", ".")
+	if !strings.Contains(testOut, "--- PASS: "+bootTest) {
+		t.Errorf("the copy's %s did not pass:\n%s", bootTest, testOut)
+	}
+	bin := filepath.Join(t.TempDir(), name)
+	goCmd(3*time.Minute, "build", "-o", bin, ".")
+	version, err := exec.Command(bin, "version").CombinedOutput()
+	if err != nil || !strings.HasPrefix(string(version), name+" ") {
+		t.Errorf("%s version = %q, %v; want it to start with %q", name, version, err, name+" ")
+	}
+}
+
+// copyRepo copies the repository's files (tracked, plus untracked ones git does
+// not ignore: what the next commit would hold) into a new temp dir.
+func copyRepo(t *testing.T) string {
+	t.Helper()
+	out, err := exec.Command("git", "ls-files", "-z", "--cached", "--others", "--exclude-standard").Output()
+	if err != nil {
+		t.Fatalf("git ls-files: %v", err)
+	}
+	dir := t.TempDir()
+	for _, rel := range strings.Split(strings.TrimRight(string(out), "\x00"), "\x00") {
+		info, err := os.Lstat(rel)
+		if os.IsNotExist(err) {
+			continue // deleted in the work tree, not yet in the index
+		}
+		if err != nil || !info.Mode().IsRegular() {
+			t.Fatalf("copying %s: %v (mode %v)", rel, err, info.Mode())
+		}
+		if err := copyFile(rel, filepath.Join(dir, rel), info.Mode().Perm()); err != nil {
+			t.Fatalf("copying %s: %v", rel, err)
+		}
+	}
+	return dir
+}
+
+func copyFile(from, to string, perm os.FileMode) error {
+	if err := os.MkdirAll(filepath.Dir(to), 0o755); err != nil {
+		return err
+	}
+	src, err := os.Open(from)
+	if err != nil {
+		return err
+	}
+	defer src.Close()
+	dst, err := os.OpenFile(to, os.O_WRONLY|os.O_CREATE|os.O_EXCL, perm)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(dst, src); err != nil {
+		dst.Close()
+		return err
+	}
+	return dst.Close()
+}

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# new-service.sh MODULE NAME — turn a fresh copy of this template into service NAME.
+#
+#   scripts/new-service.sh example.com/acme/orders-svc orders-svc
+#
+# Run it once, in a clean clone (or a copy of `git ls-files`), before changing
+# anything else. It rewrites, for NAME=orders-svc:
+#   go.mod module path and its imports       github.com/kumiko/kumiko-lifecycle-demo → MODULE
+#   the naming block in app.go               serviceName (binary, `version`, OTel service.name),
+#                                            metricNamespace (kumiko_* → orders_svc_*),
+#                                            redisKeyPrefix (kumiko:events → orders-svc:events),
+#                                            advisoryLockKey (derived from NAME)
+#   env prefix                               KUMIKO_* → ORDERS_SVC_*
+#   config file                              kumiko.config.yaml → orders-svc.config.yaml
+#   Dockerfile, compose, k8s, deploy/, scripts, tests and docs: every other spelling of the old name
+# and removes itself, its test and the README's template section: a service is
+# made from the template once. It prints every file it changed.
+set -euo pipefail
+
+die() { echo "new-service: $*" >&2; exit 1; }
+
+[ $# -eq 2 ] || die "usage: scripts/new-service.sh MODULE NAME   (e.g. example.com/acme/orders-svc orders-svc)"
+module=$1 name=$2
+
+# NAME becomes a binary, an image, k8s object names, a Postgres user and a
+# Prometheus namespace (dashes → underscores): lowercase letters, digits and
+# single dashes keep it valid for all of them.
+[[ $name =~ ^[a-z][a-z0-9]*(-[a-z0-9]+)*$ ]] && [ ${#name} -le 40 ] ||
+  die "NAME $name: use 1-40 lowercase letters, digits and single dashes, starting with a letter (e.g. orders-svc)"
+[[ $name != *kumiko* ]] || die "NAME $name: must not contain the template's name"
+# A plausible Go module path: a domain-like first element, then path elements.
+[[ $module =~ ^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)+(/[A-Za-z0-9._~-]+)+$ ]] ||
+  die "MODULE $module: want a module path like example.com/acme/$name"
+[[ $module != *kumiko* ]] || die "MODULE $module: must not contain the template's name"
+
+command -v gofmt >/dev/null || die "gofmt is not on PATH: install Go first (the service needs it anyway)"
+cd "$(dirname "$0")/.."
+old_module=github.com/kumiko/kumiko-lifecycle-demo
+self=scripts/new-service.sh
+[ -f go.mod ] && [ -f app.go ] || die "run it from a copy of the template (no go.mod or app.go in $PWD)"
+if [ "$(sed -n '1s/^module //p' go.mod)" != "$old_module" ] || ! grep -q 'serviceName *= "kumiko-lifecycle-demo"' app.go; then
+  die "this copy is already renamed (go.mod says $(sed -n '1s/^module //p' go.mod)): run the script on a fresh copy of the template"
+fi
+
+# In a git work tree, start from a clean tree so `git diff` shows exactly what
+# the script did and `git checkout .` undoes it.
+in_git=false
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  in_git=true
+  dirty=$(git status --porcelain)
+  [ -z "$dirty" ] || die "the work tree has uncommitted changes; commit or stash them first:
+$dirty"
+  list_files() { git ls-files; }
+else
+  echo "new-service: not a git work tree: changing the files in place (keep the original to compare)" >&2
+  list_files() { find . -type f -not -path './.git/*' | sed 's|^\./||' | sort; }
+fi
+
+snake=${name//-/_}                     # orders_svc: metric namespace, test database names
+upper=$(printf '%s' "$snake" | tr a-z A-Z) # ORDERS_SVC: env prefix
+camel=$(printf '%s' "$name" | awk -F- '{for (i = 1; i <= NF; i++) printf "%s", toupper(substr($i, 1, 1)) substr($i, 2)}')
+# 60 bits of a hash of NAME: a positive int64, different for every name.
+lock=0x$(printf '%s' "$name" | sha256sum | cut -c1-15)
+
+# 1. The naming block in app.go: every name the Go code uses derives from it.
+perl -0pi -e '
+  s/(serviceName\s*=\s*)"kumiko-lifecycle-demo"/${1}"'"$name"'"/ or die "serviceName not found\n";
+  s/(metricNamespace\s*=\s*)"kumiko"/${1}"'"$snake"'"/ or die "metricNamespace not found\n";
+  s/(redisKeyPrefix\s*=\s*)"kumiko:"/${1}"'"$name"':"/ or die "redisKeyPrefix not found\n";
+  s/\("kumiko" in\n(\s*\/\/) ASCII\)\. /(derived from\n${1} the service name). / or die "advisoryLockKey comment not found\n";
+  s/(advisoryLockKey\s*=\s*)0x[0-9a-f]+/${1}'"$lock"'/ or die "advisoryLockKey not found\n";
+' app.go
+
+# 2. The template's own machinery goes: a service is made from it once.
+remove=("$self" newservice_test.go)
+for f in "${remove[@]}"; do
+  if $in_git; then git rm -q -- "$f"; else rm -f -- "$f"; fi
+done
+# The README's template section sits between these two markers.
+perl -0pi -e 's/\n<!-- template:begin -->.*?<!-- template:end -->\n//s' README.md
+
+# 3. Every other spelling, as text, longest first, in every text file.
+changed=()
+while IFS= read -r f; do
+  [ -f "$f" ] && grep -Iqi kumiko -- "$f" || continue
+  perl -pi -e '
+    s{\Q'"$old_module"'\E}{'"$module"'}g;
+    s/kumiko-lifecycle-demo/'"$name"'/g;
+    s/KUMIKO_/'"${upper}"'_/g;
+    s/Kumiko/'"$camel"'/g;
+    s/kumiko_/'"${snake}"'_/g;
+    s/kumiko/'"$name"'/g;
+    s/KUMIKO/'"$upper"'/g;
+  ' -- "$f"
+  changed+=("$f")
+done < <(list_files)
+
+# 4. File names: kumiko.config.example.yaml → NAME.config.example.yaml.
+while IFS= read -r f; do
+  case $f in *kumiko*) ;; *) continue ;; esac
+  to=${f//kumiko/$name}
+  if $in_git; then git mv -- "$f" "$to"; else mv -- "$f" "$to"; fi
+  changed+=("$f → $to")
+done < <(list_files)
+
+# Longer or shorter names shift gofmt's alignment of comments and map values.
+gofmt -l -w . >/dev/null || die "gofmt failed on the rewritten Go files"
+
+echo "new-service: $old_module → $module, service $name"
+echo "  binary/version/OTel service.name $name, metrics ${snake}_*, env ${upper}_*, Redis ${name}:*, config ${name}.config.yaml, advisory lock $lock"
+echo "  removed: ${remove[*]} and the README's template section"
+echo "  rewrote ${#changed[@]} files:"
+printf '    %s\n' "${changed[@]}"
+
+left=$(list_files | while IFS= read -r f; do [ -f "$f" ] && grep -Iqi kumiko -- "$f" && echo "$f"; done; true)
+[ -z "$left" ] || die "these files still mention kumiko, check them by hand:
+$left"
+echo "next: go build ./... && go test ./...   (then commit)"
