@@ -132,12 +132,14 @@ func (a *app) observability(ctx context.Context, p *phaseRun) error {
 	return nil
 }
 
-// instanceHook stamps every log line with the instance id, so the logs of two
-// instances can be told apart after they are merged.
+// instanceHook stamps every log line with the service and the instance id,
+// so the logs of two instances, or of two services, can be told apart after
+// they are merged.
 type instanceHook struct{ id string }
 
 func (instanceHook) Levels() []logrus.Level { return logrus.AllLevels }
 func (h instanceHook) Fire(e *logrus.Entry) error {
+	e.Data["service"] = serviceName
 	e.Data["instance"] = h.id
 	return nil
 }

@@ -44,6 +44,12 @@ func TestProcessNormalBoot(t *testing.T) {
 		t.Errorf("an unconfigured search adapter must log outcome=skipped with a reason, got %v", skipped)
 	}
 	p.waitLog(time.Second, map[string]any{"event": "state_changed", "from": "starting", "to": "ready"})
+	// Every line says which service and which instance wrote it, so merged logs stay readable.
+	for _, l := range p.logsMatching(map[string]any{"msg": "lifecycle"}) {
+		if l["service"] != serviceName || l["instance"] != "test-"+t.Name() {
+			t.Fatalf("log line without service=%s and instance=test-%s: %v", serviceName, t.Name(), l)
+		}
+	}
 
 	for _, base := range []string{ops, api} {
 		code, _, body, err := get(t, http.DefaultClient, base+"/health/ready")
