@@ -53,6 +53,9 @@ type app struct {
 	sse      *sseHub      // 15. apiListener
 	api      *httpServer  // 15. apiListener
 	inFlight atomic.Int64 // API requests being served now
+
+	// 10. redisConnect: this instance's record for the cluster dashboard.
+	status *statusPublisher
 }
 
 func newApp(getenv func(string) string, stdout io.Writer) *app {
