@@ -290,7 +290,12 @@ func (sp *statusPublisher) Stop(ctx context.Context) error {
 	case <-ctx.Done():
 		return context.Cause(ctx)
 	}
-	return sp.write(ctx, StateStopped.String(), stoppedTTL)
+	// The page is a view: a record Redis would not take is worth a warning,
+	// not a failed drain (the record expires by itself).
+	if err := sp.write(ctx, StateStopped.String(), stoppedTTL); err != nil {
+		sp.log.WithError(err).Warn("the dashboard will not show this instance as stopped")
+	}
+	return nil
 }
 
 // requestCount sums kumiko_http_requests_total over its labels.
