@@ -10,6 +10,7 @@ import (
 	"math"
 	"net/http"
 	"regexp"
+	"strconv"
 	"sync"
 	"time"
 
@@ -157,6 +158,7 @@ func handleInstance(lc *Lifecycle, rdb *redis.Client, instanceID string) echo.Ha
 // load balancer) serves it.
 const (
 	statusKeyPrefix = "dashboard:instance:"
+	statusIndexKey  = "dashboard:instances" // sorted set: instance id by record expiry (unix ms)
 	// statusInterval is how often the status is rewritten besides on every
 	// state change and drain step: the rate of the requests-per-second figure.
 	statusInterval = time.Second
@@ -338,7 +340,17 @@ func (sp *statusPublisher) write(ctx context.Context, state string, ttl time.Dur
 	if err != nil {
 		return fmt.Errorf("encoding the instance status: %w", err)
 	}
-	if err := sp.rdb.Set(ctx, statusKeyPrefix+sp.instanceID, data, ttl).Err(); err != nil {
+	// The index lists the records by expiry, so a reader needs no SCAN; the
+	// writers prune it, and it expires when no instance writes any more.
+	now := time.Now()
+	_, err = sp.rdb.TxPipelined(ctx, func(pipe redis.Pipeliner) error {
+		pipe.Set(ctx, statusKeyPrefix+sp.instanceID, data, ttl)
+		pipe.ZAdd(ctx, statusIndexKey, redis.Z{Score: float64(now.Add(ttl).UnixMilli()), Member: sp.instanceID})
+		pipe.ZRemRangeByScore(ctx, statusIndexKey, "-inf", strconv.FormatInt(now.UnixMilli(), 10))
+		pipe.Expire(ctx, statusIndexKey, stoppedTTL)
+		return nil
+	})
+	if err != nil {
 		return fmt.Errorf("writing the instance status: %w", err)
 	}
 	return nil

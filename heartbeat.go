@@ -229,16 +229,18 @@ func readCluster(ctx context.Context, rdb *redis.Client) (cluster, error) {
 }
 
 // listInstances reads the status records of at most maxClusterInstances
-// instances, ordered by instance id. A record that does not parse is skipped:
-// the page shows the others.
+// instances, ordered by instance id: the ids from the index (those whose
+// record has not expired), then one MGET. A record that does not parse is
+// skipped: the page shows the others.
 func listInstances(ctx context.Context, rdb *redis.Client) ([]instanceStatus, error) {
-	var keys []string
-	iter := rdb.Scan(ctx, 0, statusKeyPrefix+"*", 100).Iterator()
-	for iter.Next(ctx) && len(keys) < maxClusterInstances {
-		keys = append(keys, iter.Val())
+	ids, err := rdb.ZRangeByScore(ctx, statusIndexKey, &redis.ZRangeBy{
+		Min: strconv.FormatInt(time.Now().UnixMilli(), 10), Max: "+inf", Count: maxClusterInstances}).Result()
+	if err != nil {
+		return nil, fmt.Errorf("reading the instance status index: %w", err)
 	}
-	if err := iter.Err(); err != nil {
-		return nil, fmt.Errorf("scanning instance status keys: %w", err)
+	keys := make([]string, len(ids))
+	for i, id := range ids {
+		keys[i] = statusKeyPrefix + id
 	}
 	instances := []instanceStatus{}
 	if len(keys) == 0 {
@@ -249,7 +251,7 @@ func listInstances(ctx context.Context, rdb *redis.Client) ([]instanceStatus, er
 		return nil, fmt.Errorf("reading instance status keys: %w", err)
 	}
 	for _, v := range values {
-		raw, ok := v.(string) // nil: expired between SCAN and MGET
+		raw, ok := v.(string) // nil: expired between the index read and MGET
 		var st instanceStatus
 		if ok && json.Unmarshal([]byte(raw), &st) == nil {
 			instances = append(instances, st)
