@@ -72,6 +72,7 @@ func TestDashboardInstanceStatusRecords(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the stopped record: %v", err)
 	}
+	t.Logf("the stopped record: %d bytes", len(raw))
 	var st instanceStatus
 	if err := json.Unmarshal([]byte(raw), &st); err != nil {
 		t.Fatal(err)
