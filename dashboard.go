@@ -117,8 +117,9 @@ func (cc *clusterCache) get(ctx context.Context) (cluster, error) {
 // API port: this instance's state and boot timeline (phase, duration, outcome,
 // retries), the leader's instance id, the live workers (worker name,
 // instance id, heartbeat age) and every instance's status record (state, boot
-// phases placed in time, requests per second, drain steps). Nothing else: no notes, errors, URLs or
-// versions; those stay behind the admin token on the ops port.
+// phases placed in time, requests per second, drain steps). Nothing else: no
+// notes, errors, URLs or versions; those stay behind the admin token on the
+// ops port.
 func handleInstance(lc *Lifecycle, rdb *redis.Client, instanceID string) echo.HandlerFunc {
 	cache := &clusterCache{rdb: rdb, ttl: clusterCacheTTL}
 	return func(c echo.Context) error {
