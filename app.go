@@ -55,6 +55,7 @@ type app struct {
 	db         *pgxpool.Pool              // 7. dbConnect
 	redis      *redis.Client              // 10. redisConnect
 	heartbeats *heartbeats                // 10. redisConnect
+	status     *statusPublisher           // 10. redisConnect: this instance's record for the cluster dashboard
 	search     meilisearch.ServiceManager // 11. searchAdapter
 	storage    *minio.Client              // 12. fileStorage
 	jobs       *jobs                      // 13. outboxPoller (started in 14. jobsWorker)

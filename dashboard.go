@@ -5,13 +5,20 @@ import (
 	"crypto/sha256"
 	_ "embed"
 	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"math"
 	"net/http"
 	"regexp"
+	"strconv"
 	"sync"
 	"time"
 
 	"github.com/labstack/echo/v4"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/redis/go-redis/v9"
+	"github.com/sirupsen/logrus"
 	"golang.org/x/sync/singleflight"
 )
 
@@ -108,9 +115,11 @@ func (cc *clusterCache) get(ctx context.Context) (cluster, error) {
 
 // handleInstance is GET /api/instance, what the dashboard shows, public on the
 // API port: this instance's state and boot timeline (phase, duration, outcome,
-// retries), the leader's instance id and the live workers (worker name,
-// instance id, heartbeat age). Nothing else: no notes, errors, URLs or
-// versions; those stay behind the admin token on the ops port.
+// retries), the leader's instance id, the live workers (worker name,
+// instance id, heartbeat age) and every instance's status record (state, boot
+// phases placed in time, requests per second, drain steps). Nothing else: no
+// notes, errors, URLs or versions; those stay behind the admin token on the
+// ops port.
 func handleInstance(lc *Lifecycle, rdb *redis.Client, instanceID string) echo.HandlerFunc {
 	cache := &clusterCache{rdb: rdb, ttl: clusterCacheTTL}
 	return func(c echo.Context) error {
@@ -127,6 +136,10 @@ func handleInstance(lc *Lifecycle, rdb *redis.Client, instanceID string) echo.Ha
 		if workers == nil {
 			workers = []liveWorker{}
 		}
+		instances := cl.Instances
+		if instances == nil {
+			instances = []instanceStatus{}
+		}
 		return c.JSON(http.StatusOK, map[string]any{
 			"instanceId": instanceID,
 			"state":      lc.State().String(),
@@ -134,6 +147,205 @@ func handleInstance(lc *Lifecycle, rdb *redis.Client, instanceID string) echo.Ha
 			"phases":     phases,
 			"leader":     cl.Leader,
 			"workers":    workers,
+			"instances":  instances,
 		})
 	}
+}
+
+// The cluster view. Every instance publishes its own status to Redis —
+// state, boot timeline, requests per second, the drain steps so far — under
+// a TTL'd key next to its heartbeats, and every instance's /api/instance
+// reads all of them: the page shows the whole cluster whichever instance (or
+// load balancer) serves it.
+const (
+	statusKeyPrefix = "dashboard:instance:"
+	statusIndexKey  = "dashboard:instances" // sorted set: instance id by record expiry (unix ms)
+	// statusInterval is how often the status is rewritten besides on every
+	// state change and drain step: the rate of the requests-per-second figure.
+	statusInterval = time.Second
+	// statusTTL drops the record of an instance that died without a drain.
+	statusTTL = 5 * time.Second
+	// stoppedTTL keeps a cleanly stopped instance on the page for a while.
+	stoppedTTL = 30 * time.Second
+	// maxDrainSteps and maxClusterInstances bound a record and a read.
+	maxDrainSteps       = 32
+	maxClusterInstances = 32
+)
+
+// statusPhase is a boot phase placed in time: startMs from the first phase's start.
+type statusPhase struct {
+	Phase      string       `json:"phase"`
+	StartMs    int64        `json:"startMs"`
+	DurationMs int64        `json:"durationMs"`
+	Outcome    phaseOutcome `json:"outcome"`
+	Retries    int          `json:"retries"`
+}
+
+// drainStep is a finished drain step; no error text (it may carry an address).
+type drainStep struct {
+	Step       string `json:"step"`
+	DurationMs int64  `json:"durationMs"`
+	OK         bool   `json:"ok"`
+}
+
+// instanceStatus is one instance's record in Redis, public as is.
+type instanceStatus struct {
+	InstanceID string        `json:"instanceId"`
+	State      string        `json:"state"`
+	UptimeSec  int64         `json:"uptimeSec"`
+	RPS        float64       `json:"rps"`
+	Phases     []statusPhase `json:"phases"`
+	Drain      []drainStep   `json:"drain"`
+	UpdatedAt  int64         `json:"updatedAt"` // unix milliseconds
+}
+
+// statusPublisher writes this instance's record every statusInterval, and at
+// once (from its goroutine) on a state change or a drain step.
+type statusPublisher struct {
+	*startStop // stopNow: nothing in flight needs finishing
+	rdb        *redis.Client
+	instanceID string
+	lc         *Lifecycle
+	requests   prometheus.Collector // kumiko_http_requests_total: rps is its rate
+	log        *logrus.Entry
+
+	kick  chan struct{}
+	unsub func()
+
+	mu        sync.Mutex
+	drain     []drainStep
+	rps       float64
+	lastCount float64
+	lastAt    time.Time
+}
+
+func newStatusPublisher(rdb *redis.Client, instanceID string, lc *Lifecycle, m *metrics, log *logrus.Entry,
+	onPanic func(component string, recovered any)) *statusPublisher {
+	return &statusPublisher{startStop: newStartStop("clusterStatus", stopNow, onPanic), rdb: rdb, instanceID: instanceID,
+		lc: lc, requests: m.httpRequests, log: log, kick: make(chan struct{}, 1)}
+}
+
+// Start starts the loop, which writes the first record at once; Stop ends
+// it. A Redis hiccup costs the page a second of freshness, never the boot.
+func (sp *statusPublisher) Start(ctx context.Context) error {
+	return sp.start(ctx, func(context.Context) error {
+		sp.lastCount, sp.lastAt = sp.requestCount(), time.Now()
+		sp.unsub = sp.lc.OnStateChange(func(_, _ State) { sp.poke() })
+		sp.poke()
+		return nil
+	}, sp.run)
+}
+
+func (sp *statusPublisher) poke() {
+	select {
+	case sp.kick <- struct{}{}:
+	default: // a write is already due
+	}
+}
+
+func (sp *statusPublisher) run(ctx context.Context) {
+	tick := time.NewTicker(statusInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		case <-sp.kick:
+		}
+		wctx, cancel := context.WithTimeout(ctx, statusInterval)
+		if err := sp.write(wctx, sp.lc.State().String(), statusTTL); err != nil {
+			sp.log.WithError(err).Debug("publishing the instance status")
+		}
+		cancel()
+	}
+}
+
+// stepDone records a finished drain step (called by the drain, never blocks on Redis).
+func (sp *statusPublisher) stepDone(name string, took time.Duration, err error) {
+	if sp == nil {
+		return // the drain of a boot that failed before Redis
+	}
+	sp.mu.Lock()
+	if len(sp.drain) < maxDrainSteps {
+		sp.drain = append(sp.drain, drainStep{Step: name, DurationMs: took.Milliseconds(), OK: err == nil})
+	}
+	sp.mu.Unlock()
+	sp.poke()
+}
+
+// Stop ends the loop, then writes the last record: "stopped", kept for
+// stoppedTTL. It runs as the shutdown hook just before the Redis client
+// closes — after it the instance only closes Redis and the DB pool and
+// exits — so for the cluster this is the moment the instance has left.
+func (sp *statusPublisher) Stop(ctx context.Context) error {
+	if sp.unsub == nil {
+		return nil // never started
+	}
+	sp.unsub()
+	if err := sp.startStop.Stop(ctx); err != nil {
+		return err
+	}
+	// The page is a view: a record Redis would not take is worth a warning,
+	// not a failed drain (the record expires by itself).
+	if err := sp.write(ctx, StateStopped.String(), stoppedTTL); err != nil {
+		sp.log.WithError(err).Warn("the dashboard will not show this instance as stopped")
+	}
+	return nil
+}
+
+// requestCount sums kumiko_http_requests_total over its labels.
+func (sp *statusPublisher) requestCount() float64 {
+	ch := make(chan prometheus.Metric, 64)
+	go func() { sp.requests.Collect(ch); close(ch) }()
+	var total float64
+	for m := range ch {
+		var pb dto.Metric
+		if m.Write(&pb) == nil && pb.Counter != nil {
+			total += pb.Counter.GetValue()
+		}
+	}
+	return total
+}
+
+func (sp *statusPublisher) snapshot(state string) instanceStatus {
+	now := time.Now()
+	count := sp.requestCount()
+	timeline := sp.lc.Timeline()
+	phases := make([]statusPhase, len(timeline))
+	for i, p := range timeline {
+		phases[i] = statusPhase{Phase: p.Phase, StartMs: p.StartedAt.Sub(timeline[0].StartedAt).Milliseconds(),
+			DurationMs: p.DurationMs, Outcome: p.Outcome, Retries: p.Retries}
+	}
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	// A write kicked right after a tick keeps the last rate: a rate over a
+	// few milliseconds says nothing.
+	if secs := now.Sub(sp.lastAt).Seconds(); secs >= statusInterval.Seconds()/2 {
+		sp.rps = (count - sp.lastCount) / secs
+		sp.lastCount, sp.lastAt = count, now
+	}
+	return instanceStatus{InstanceID: sp.instanceID, State: state, UptimeSec: int64(sp.lc.Uptime().Seconds()),
+		RPS: math.Round(sp.rps*10) / 10, Phases: phases, Drain: append([]drainStep{}, sp.drain...), UpdatedAt: now.UnixMilli()}
+}
+
+func (sp *statusPublisher) write(ctx context.Context, state string, ttl time.Duration) error {
+	data, err := json.Marshal(sp.snapshot(state))
+	if err != nil {
+		return fmt.Errorf("encoding the instance status: %w", err)
+	}
+	// The index lists the records by expiry, so a reader needs no SCAN; the
+	// writers prune it, and it expires when no instance writes any more.
+	now := time.Now()
+	_, err = sp.rdb.TxPipelined(ctx, func(pipe redis.Pipeliner) error {
+		pipe.Set(ctx, statusKeyPrefix+sp.instanceID, data, ttl)
+		pipe.ZAdd(ctx, statusIndexKey, redis.Z{Score: float64(now.Add(ttl).UnixMilli()), Member: sp.instanceID})
+		pipe.ZRemRangeByScore(ctx, statusIndexKey, "-inf", strconv.FormatInt(now.UnixMilli(), 10))
+		pipe.Expire(ctx, statusIndexKey, stoppedTTL)
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("writing the instance status: %w", err)
+	}
+	return nil
 }

@@ -1,10 +1,13 @@
 package main
 
 import (
+	"context"
+	"encoding/json"
 	"io"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 )
 
 // The dashboard page is served at / on the API port, and /api/instance gives
@@ -26,5 +29,62 @@ func TestDashboardAndInstanceEndpoint(t *testing.T) {
 	workers, _ := body["workers"].([]any)
 	if code != 200 || body["state"] != "ready" || len(phases) != len(phaseOrder) || len(workers) < 2 || body["leader"] == "" {
 		t.Fatalf("/api/instance = %d %v", code, body)
+	}
+}
+
+// Every instance publishes its status record to Redis, and /api/instance
+// lists them: state, the boot phases placed in time, no drain yet. A clean
+// stop leaves a "stopped" record with the drain steps, kept for stoppedTTL.
+func TestDashboardInstanceStatusRecords(t *testing.T) {
+	env := fastEnv(t)
+	s := startInProcess(t, env)
+	id := env["KUMIKO_INSTANCE_ID"]
+	var mine map[string]any
+	waitFor(t, 10*time.Second, "this instance's ready record in /api/instance", func() bool {
+		_, _, body, _ := get(t, http.DefaultClient, apiURL(s)+"/api/instance")
+		instances, _ := body["instances"].([]any)
+		for _, v := range instances {
+			if m, _ := v.(map[string]any); m["instanceId"] == id && m["state"] == "ready" {
+				mine = m
+				return true
+			}
+		}
+		return false
+	})
+	phases, _ := mine["phases"].([]any)
+	if len(phases) != len(phaseOrder) || len(mine["drain"].([]any)) != 0 {
+		t.Fatalf("record = %v", mine)
+	}
+	last := -1.0
+	for _, p := range phases {
+		start := p.(map[string]any)["startMs"].(float64)
+		if start < last {
+			t.Fatalf("phases not placed in time order: %v", phases)
+		}
+		last = start
+	}
+
+	if err := s.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	rdb := redisClient(t, env["REDIS_URL"])
+	raw, err := rdb.Get(context.Background(), statusKeyPrefix+id).Result()
+	if err != nil {
+		t.Fatalf("the stopped record: %v", err)
+	}
+	t.Logf("the stopped record: %d bytes", len(raw))
+	var st instanceStatus
+	if err := json.Unmarshal([]byte(raw), &st); err != nil {
+		t.Fatal(err)
+	}
+	var steps []string
+	for _, d := range st.Drain {
+		steps = append(steps, d.Step)
+	}
+	if st.State != "stopped" || len(steps) == 0 || steps[0] != "readiness" || steps[len(steps)-1] != "heartbeats" {
+		t.Fatalf("stopped record = %s", raw)
+	}
+	if ttl := rdb.PTTL(context.Background(), statusKeyPrefix+id).Val(); ttl <= statusTTL || ttl > stoppedTTL {
+		t.Fatalf("stopped record TTL %s, want above %s and at most %s", ttl, statusTTL, stoppedTTL)
 	}
 }

@@ -223,7 +223,7 @@ func newMetrics() *metrics {
 var (
 	// panicComponents: the onPanic callbacks (app.go), the event bus and the
 	// two HTTP servers' recover middleware.
-	panicComponents  = []string{"api", "ops", "sse", "outboxPoller", "leader", "jobsHeartbeat", "events"}
+	panicComponents  = []string{"api", "ops", "sse", "outboxPoller", "leader", "jobsHeartbeat", "clusterStatus", "events"}
 	connectTargets   = []string{"postgres", "redis", "outboxPoller", "jobsWorker", "leaderElection"}
 	heartbeatWorkers = []string{"outbox", "jobs", "scheduler"}
 	orderResults     = []string{"created", "replayed", "conflict"}

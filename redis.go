@@ -35,6 +35,12 @@ func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
 	a.health.RegisterReadinessCheck("redis", true, func(ctx context.Context) checkResult {
 		return timedCheck(ctx, ping)
 	})
+	// The dashboard's status record; its hook runs after the heartbeats' and before the client's.
+	a.status = newStatusPublisher(client, a.cfg.InstanceID, a.lc, a.metrics, a.log.WithField("component", "dashboard"), a.panicked)
+	if err := a.status.Start(ctx); err != nil {
+		return err
+	}
+	a.lc.RegisterShutdownHook("clusterStatus", a.status.Stop)
 	// Heartbeat keys live in Redis. Their hook is registered after the client's,
 	// so LIFO deletes them after the workers stop and before the client closes.
 	a.heartbeats = newHeartbeats(client, a.cfg.InstanceID, a.cfg.Lifecycle.Heartbeat.TTL, a.metrics, a.health)

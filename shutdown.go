@@ -323,6 +323,7 @@ func (a *app) step(ctx context.Context, name string, fn func(context.Context) er
 func (a *app) stepDone(ctx context.Context, name string, start time.Time, err error) {
 	took := time.Since(start)
 	a.metrics.shutdownStep.WithLabelValues(name).Set(took.Seconds())
+	a.status.stepDone(name, took, err) // the dashboard shows the drain step by step
 	_, span := a.lc.tracer().Start(ctx, "lifecycle.shutdown."+name, trace.WithTimestamp(start))
 	entry := a.log.WithFields(logrus.Fields{"component": "lifecycle", "step": name, "duration_ms": took.Milliseconds()})
 	if err != nil {
