@@ -158,8 +158,8 @@ func handleInstance(lc *Lifecycle, rdb *redis.Client, instanceID string) echo.Ha
 // reads all of them: the page shows the whole cluster whichever instance (or
 // load balancer) serves it.
 const (
-	statusKeyPrefix = "dashboard:instance:"
-	statusIndexKey  = "dashboard:instances" // sorted set: instance id by record expiry (unix ms)
+	statusKeyPrefix = redisKeyPrefix + "dashboard:instance:"
+	statusIndexKey  = redisKeyPrefix + "dashboard:instances" // sorted set: instance id by record expiry (unix ms)
 	// statusInterval is how often the status is rewritten besides on every
 	// state change and drain step: the rate of the requests-per-second figure.
 	statusInterval = time.Second
