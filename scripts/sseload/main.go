@@ -167,7 +167,7 @@ func (r *receiver) read(c net.Conn) {
 		// The order's id, as POST answered it: "payload":{"id":"…" (the
 		// service writes the payload as jsonb, whose keys are ordered: id first).
 		_, rest, ok := bytes.Cut(data, payloadID)
-		if !ok {
+		if !ok || len(rest) < 2 {
 			continue
 		}
 		end := bytes.IndexByte(rest[1:], '"')
