@@ -155,7 +155,7 @@ func defaultConfig() config {
 			RetryBase: time.Second, RetryMax: 5 * time.Minute, Retention: 7 * 24 * time.Hour, PurgeCron: "@hourly"},
 		HTTP: httpConfig{ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 15 * time.Second, IdleTimeout: 60 * time.Second,
 			RateLimit: 500, RateBurst: 1000, SlowMax: 60 * time.Second, DemoEndpoints: true},
-		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second,
+		SSE: sseConfig{MaxStreams: 5000, Heartbeat: 15 * time.Second, RetryHint: time.Second,
 			WriteTimeout: 10 * time.Second, MaxStreamsPerIP: 20},
 		Jobs: jobsConfig{Workers: 10, PollInterval: time.Second, Timeout: time.Minute, RescueAfter: time.Hour,
 			ReportCron: "*/5 * * * *"},

@@ -77,7 +77,7 @@ func TestLoadConfigDefaults(t *testing.T) {
 		Outbox: outboxConfig{BatchSize: 100, PollInterval: time.Second, Listen: true, MaxAttempts: 10,
 			RetryBase: time.Second, RetryMax: 5 * time.Minute,
 			Retention: 7 * 24 * time.Hour, PurgeCron: "@hourly"},
-		SSE: sseConfig{MaxStreams: 1000, Heartbeat: 15 * time.Second, RetryHint: time.Second,
+		SSE: sseConfig{MaxStreams: 5000, Heartbeat: 15 * time.Second, RetryHint: time.Second,
 			WriteTimeout: 10 * time.Second, MaxStreamsPerIP: 20},
 		Jobs: jobsConfig{Workers: 10, PollInterval: time.Second, Timeout: time.Minute, RescueAfter: time.Hour,
 			ReportCron: "*/5 * * * *"},
