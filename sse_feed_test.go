@@ -65,6 +65,22 @@ func TestSSEFeedSharesFramesAndDropsLaggards(t *testing.T) {
 	if got, _, behind := h.pending(late, nil); behind || len(got) != 0 {
 		t.Fatalf("a new stream read %v (behind %v), want nothing yet", got, behind)
 	}
+
+	// With many streams open, wakes are spaced out, never lost: a frame
+	// published right after a wake still wakes its readers, a gap later.
+	h.streamsNow.Add(1_000_000) // as if a million streams: the longest gap
+	h.publish([]feedFrame{frame(5000)})
+	_, throttled, _ := h.pending(late, nil)
+	h.publish([]feedFrame{frame(5001)})
+	select {
+	case <-throttled:
+	case <-time.After(5 * time.Second):
+		t.Fatal("a throttled wake never came")
+	}
+	if got, _, _ := h.pending(late, nil); len(got) != 1 || got[0].seq != 5001 {
+		t.Fatalf("after the throttled wake the stream read %v, want frame 5001", got)
+	}
+	h.streamsNow.Add(-1_000_000)
 	for _, s := range []*sseStream{fast, slow, late} {
 		h.release(s)
 	}
