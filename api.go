@@ -8,6 +8,7 @@ import (
 	stdlog "log"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -44,6 +45,7 @@ func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, hc htt
 	}
 	admin.GET("/workers", starting)
 	admin.POST("/jobs/:name/run", starting)
+	addPprofRoutes(e.Group("/debug/pprof", requireBearer(adminToken)))
 }
 
 // mountAdminRoutes adds, in phase 15, the admin routes whose dependencies the
@@ -58,6 +60,19 @@ func mountAdminRoutes(mux *http.ServeMux, e *echo.Echo, adminToken string, rdb *
 	admin.POST("/jobs/:name/run", handleRunJob(j))
 	mux.Handle("/admin/workers", e)
 	mux.Handle("/admin/jobs/", e)
+}
+
+// addPprofRoutes serves net/http/pprof behind the admin token: profiles show
+// code paths and memory, and a CPU profile costs the instance while it runs.
+// The handlers are mounted one by one, never via http.DefaultServeMux.
+func addPprofRoutes(g *echo.Group) {
+	g.GET("/", echo.WrapHandler(http.HandlerFunc(pprof.Index)))
+	g.GET("/*", echo.WrapHandler(http.HandlerFunc(pprof.Index))) // heap, allocs, goroutine, block, mutex …
+	g.GET("/cmdline", echo.WrapHandler(http.HandlerFunc(pprof.Cmdline)))
+	g.GET("/profile", echo.WrapHandler(http.HandlerFunc(pprof.Profile)))
+	g.GET("/symbol", echo.WrapHandler(http.HandlerFunc(pprof.Symbol)))
+	g.POST("/symbol", echo.WrapHandler(http.HandlerFunc(pprof.Symbol)))
+	g.GET("/trace", echo.WrapHandler(http.HandlerFunc(pprof.Trace)))
 }
 
 // addAPIRoutes serves the features on the API listener (bound in phase 15).

@@ -24,6 +24,7 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/labstack/echo/v4"
 	"github.com/meilisearch/meilisearch-go"
@@ -256,7 +257,8 @@ var errKeyReused = apiError(http.StatusUnprocessableEntity, "idempotency_key_reu
 
 // orderCreated is the order.created payload. The event stream is public, so
 // it carries no personal data: no customer, no items; the whole order is at
-// GET /api/orders/{id}, the demo's order route.
+// GET /api/orders/{id}, the demo's order route. createOrder writes it without
+// CreatedAt, which the database adds (see insertOrderAndEvent).
 type orderCreated struct {
 	ID         uuid.UUID `json:"id"`
 	Status     string    `json:"status"`
@@ -265,30 +267,56 @@ type orderCreated struct {
 	CreatedAt  time.Time `json:"createdAt"`
 }
 
-// createOrder writes the order and its order.created event in one transaction.
+// insertOrderAndEvent writes the order and its order.created outbox event in
+// one statement: atomic like a transaction, in one round trip instead of four
+// (BEGIN, two INSERTs, COMMIT), which was most of the order path's CPU. The
+// payload's createdAt is the order's created_at, rendered as encoding/json
+// renders a UTC time.Time (RFC 3339, fraction without trailing zeros).
+var insertOrderAndEvent = `WITH o AS (
+	INSERT INTO orders (public_id, customer, items, total_cents, idempotency_key, request_hash)
+	VALUES ($1, $2, $3, $4, NULLIF($5, ''), NULLIF($6, '')) RETURNING id, created_at, created_at AT TIME ZONE 'UTC' AS utc
+), e AS (
+	INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, traceparent)
+	SELECT 'order', o.id::text, $7, $8::jsonb || jsonb_build_object('createdAt', ` + sqlJSONTime("o.utc") + `), NULLIF($9, '')
+	FROM o
+)
+SELECT id, created_at FROM o`
+
+// sqlJSONTime renders a UTC timestamp column as encoding/json renders the
+// same instant as a UTC time.Time: microseconds, trailing zeros dropped.
+func sqlJSONTime(col string) string {
+	return `to_char(` + col + `, 'YYYY-MM-DD"T"HH24:MI:SS') || coalesce('.' || nullif(rtrim(to_char(` + col + `, 'US'), '0'), ''), '') || 'Z'`
+}
+
+// createOrder writes the order and its order.created event atomically.
 func createOrder(ctx context.Context, db *pgxpool.Pool, req newOrder, key, hash string) (order, error) {
 	publicID, err := uuid.NewV7() // time-ordered, so the unique index stays compact
 	if err != nil {
 		return order{}, fmt.Errorf("generating the order id: %w", err)
 	}
 	o := order{PublicID: publicID, Customer: req.Customer, Items: req.Items, TotalCents: req.total()}
-	items, _ := json.Marshal(req.Items)
-	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
-		err := tx.QueryRow(ctx, `INSERT INTO orders (public_id, customer, items, total_cents, idempotency_key, request_hash)
-			VALUES ($1, $2, $3, $4, NULLIF($5, ''), NULLIF($6, '')) RETURNING id, created_at`,
-			o.PublicID, o.Customer, items, o.TotalCents, key, hash).Scan(&o.ID, &o.CreatedAt)
-		if err != nil {
-			return err
-		}
-		o.CreatedAt = o.CreatedAt.UTC()
-		_, err = writeOutboxEvent(ctx, tx, "order", strconv.FormatInt(o.ID, 10), eventOrderCreated, orderCreated{
-			ID: o.PublicID, Status: "created", TotalCents: o.TotalCents, ItemCount: len(o.Items), CreatedAt: o.CreatedAt})
-		return err
-	})
+	items, _ := json.Marshal(req.Items) // strings and ints always encode
+	payload := appendOrderCreated(make([]byte, 0, 128), o.PublicID, o.TotalCents, len(o.Items))
+	// pgtype.UUID is sent in binary; uuid.UUID would go through driver.Valuer and a string.
+	err = db.QueryRow(ctx, insertOrderAndEvent, pgtype.UUID{Bytes: o.PublicID, Valid: true}, o.Customer, items,
+		o.TotalCents, key, hash, eventOrderCreated, payload, traceparentOf(ctx)).Scan(&o.ID, &o.CreatedAt)
 	if err != nil && !isUniqueViolation(err) {
 		return order{}, fmt.Errorf("creating the order: %w", err)
 	}
+	o.CreatedAt = o.CreatedAt.UTC()
 	return o, err
+}
+
+// appendOrderCreated encodes orderCreated without its CreatedAt, by hand:
+// a UUID, a constant and two integers need no reflection.
+func appendOrderCreated(b []byte, id uuid.UUID, totalCents int64, itemCount int) []byte {
+	b = append(b, `{"id":"`...)
+	b = append(b, id.String()...)
+	b = append(b, `","status":"created","totalCents":`...)
+	b = strconv.AppendInt(b, totalCents, 10)
+	b = append(b, `,"itemCount":`...)
+	b = strconv.AppendInt(b, int64(itemCount), 10)
+	return append(b, '}')
 }
 
 // orderByKey finds the order an Idempotency-Key created; a different request

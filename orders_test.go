@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -344,6 +345,51 @@ func TestOrderOpaqueIDsAndOldRows(t *testing.T) {
 		if strings.Contains(p, "Ada") || strings.Contains(p, "tea") || ev["itemCount"] != 2.0 || ev["totalCents"] != 900.0 ||
 			ev["status"] != "created" || !strings.Contains(fmt.Sprint(ids), fmt.Sprint(ev["id"])) {
 			t.Errorf("order.created payload %s: want ids, totals, status and item count only", p)
+		}
+	}
+}
+
+// The order.created payload, written by SQL in the order's own statement,
+// carries the order's createdAt exactly as the API answers it.
+func TestOrderCreatedPayloadMatchesTheOrder(t *testing.T) {
+	s := startInProcess(t, fastEnv(t))
+	ctx := context.Background()
+	for range 5 {
+		code, _, created := post(t, apiURL(s)+"/api/orders", validOrder, nil)
+		if code != 201 {
+			t.Fatalf("POST = %d %v", code, created)
+		}
+		var payload string
+		err := s.app.db.QueryRow(ctx, `SELECT e.payload::text FROM outbox_events e JOIN orders o ON e.aggregate_id = o.id::text
+			WHERE e.aggregate_type = 'order' AND o.public_id = $1`, created["id"]).Scan(&payload)
+		var ev map[string]any
+		if err == nil {
+			err = json.Unmarshal([]byte(payload), &ev)
+		}
+		if err != nil || ev["createdAt"] != created["createdAt"] || ev["id"] != created["id"] || ev["totalCents"] != 900.0 ||
+			ev["itemCount"] != 2.0 || ev["status"] != "created" || len(ev) != 5 {
+			t.Fatalf("order %v: payload %s (%v)", created, payload, err)
+		}
+	}
+}
+
+// sqlJSONTime renders timestamps as encoding/json does, whatever their fraction.
+func TestSQLJSONTimeMatchesEncodingJSON(t *testing.T) {
+	pool, err := pgxpool.New(context.Background(), fastEnv(t)["DATABASE_URL"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	for _, ts := range []string{"2026-01-02T03:04:05Z", "2026-01-02T03:04:05.5Z", "2026-12-31T23:59:59.123456Z",
+		"2026-01-02T03:04:05.000001Z", "2026-01-02T03:04:05.10203Z", "1999-07-08T00:00:00.12Z"} {
+		tm, _ := time.Parse(time.RFC3339Nano, ts)
+		var got string
+		if err := pool.QueryRow(context.Background(), `SELECT `+sqlJSONTime("($1::timestamptz AT TIME ZONE 'UTC')"), tm).Scan(&got); err != nil {
+			t.Fatal(err)
+		}
+		want, _ := json.Marshal(tm)
+		if `"`+got+`"` != string(want) {
+			t.Errorf("%s: SQL renders %s, encoding/json %s", ts, got, want)
 		}
 	}
 }

@@ -11,6 +11,8 @@
 #
 #   scripts/bench-orders.sh                         # 32 workers, 10 s each
 #   WORKERS=8 DURATION=5s scripts/bench-orders.sh
+#   PROFILE=/tmp/prof scripts/bench-orders.sh       # also keep the service's CPU and
+#                                                   # allocation profiles of the run there
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -45,11 +47,24 @@ created() { grep -o '"201":[0-9]*' "$DIR/$1.json" | cut -d: -f2; }
 
 # 1. The service. Its CPU is read before the load and again once the outbox
 #    has delivered every order the load created: the whole pipeline.
+[ -n "${PROFILE:-}" ] && export KUMIKO_ADMIN_TOKEN=bench-profile-token && mkdir -p "$PROFILE"
 start_app 1 "$DIR/app1.log"
 wait_ready 1
 app=${app_pids[1]}
+pprof() { curl -fsS -H "Authorization: Bearer bench-profile-token" -o "$PROFILE/$1" "http://127.0.0.1:$OPS_PORT1/debug/pprof/$2"; }
+if [ -n "${PROFILE:-}" ]; then
+  pprof allocs-before.pb.gz allocs
+  pprof cpu.pb.gz "profile?seconds=$((${DURATION%s} - 1))" &
+  prof=$!
+fi
 cpu0=$(cpu_seconds "$app")
 attack "$API_PORT1" service
+if [ -n "${PROFILE:-}" ]; then
+  wait "$prof"
+  pprof allocs.pb.gz allocs
+  cp "$DIR/kumiko-lifecycle-demo" "$PROFILE/"
+  echo "profiles in $PROFILE: go tool pprof -top $PROFILE/cpu.pb.gz; go tool pprof -sample_index=alloc_space -diff_base $PROFILE/allocs-before.pb.gz -top $PROFILE/allocs.pb.gz"
+fi
 backlog=$(pending)
 for _ in $(seq 1 600); do [ "$(pending)" = 0 ] && break; sleep 0.1; done
 cpu1=$(cpu_seconds "$app")

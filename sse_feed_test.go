@@ -1,0 +1,87 @@
+package main
+
+import (
+	"context"
+	"io"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// The hub's feed: every stream reads the same encoded frames in delivery
+// order; publishing never waits for a stream; a stream that falls more than
+// streamBuffer frames behind is told so instead of holding the hub up.
+func TestSSEFeedSharesFramesAndDropsLaggards(t *testing.T) {
+	env := fastEnv(t)
+	pool, err := pgxpool.New(context.Background(), env["DATABASE_URL"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	h := newSSEHub(pool, nil, defaultConfig().SSE, time.Second, newLogger(io.Discard, "json"), newMetrics(), func(string, any) {})
+	open := func() *sseStream {
+		s, _, err := h.open(context.Background(), "127.0.0.1", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	frame := func(seq int64) feedFrame {
+		return feedFrame{seq: seq, frame: appendEvent(nil, &outboxEvent{ID: seq, Seq: seq, Type: "t", Payload: []byte(`{}`)})}
+	}
+	fast, slow := open(), open()
+
+	_, wake, _ := h.pending(fast, nil)
+	h.publish([]feedFrame{frame(1), frame(2), frame(2)}) // a repeat of the newest is ignored
+	select {
+	case <-wake:
+	default:
+		t.Fatal("publishing did not wake a waiting stream")
+	}
+	a, _, behindA := h.pending(fast, nil)
+	b, _, behindB := h.pending(slow, nil)
+	if behindA || behindB || len(a) != 2 || len(b) != 2 || a[0].seq != 1 || a[1].seq != 2 || &a[1].frame[0] != &b[1].frame[0] {
+		t.Fatalf("streams read %v / %v (behind %v %v): want frames 1 and 2, one shared copy", a, b, behindA, behindB)
+	}
+
+	// The slow stream stops reading; the fast one keeps up with far more than
+	// the feed holds.
+	for seq := int64(3); seq < 3+2*streamBuffer; seq++ {
+		h.publish([]feedFrame{frame(seq)})
+		got, _, behind := h.pending(fast, nil)
+		if behind || len(got) != 1 || got[0].seq != seq {
+			t.Fatalf("the fast stream read %v (behind %v) after publishing %d", got, behind, seq)
+		}
+	}
+	if _, _, behind := h.pending(slow, nil); !behind {
+		t.Fatal("a stream 2048 frames behind was not told it fell behind")
+	}
+	if got := h.position(); got != 2+2*streamBuffer {
+		t.Fatalf("the hub's position is %d, want %d", got, 2+2*streamBuffer)
+	}
+	// A stream opened now starts at the feed's end.
+	late := open()
+	if got, _, behind := h.pending(late, nil); behind || len(got) != 0 {
+		t.Fatalf("a new stream read %v (behind %v), want nothing yet", got, behind)
+	}
+
+	// With many streams open, wakes are spaced out, never lost: a frame
+	// published right after a wake still wakes its readers, a gap later.
+	h.streamsNow.Add(1_000_000) // as if a million streams: the longest gap
+	h.publish([]feedFrame{frame(5000)})
+	_, throttled, _ := h.pending(late, nil)
+	h.publish([]feedFrame{frame(5001)})
+	select {
+	case <-throttled:
+	case <-time.After(5 * time.Second):
+		t.Fatal("a throttled wake never came")
+	}
+	if got, _, _ := h.pending(late, nil); len(got) != 1 || got[0].seq != 5001 {
+		t.Fatalf("after the throttled wake the stream read %v, want frame 5001", got)
+	}
+	h.streamsNow.Add(-1_000_000)
+	for _, s := range []*sseStream{fast, slow, late} {
+		h.release(s)
+	}
+}
