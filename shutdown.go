@@ -178,7 +178,7 @@ func (a *app) shutdown(bootErr error) error {
 //	              ├─ inFlight        ┘ requests finish; what is left then is force-closed
 //	              ├─ sseHub … db     the release hooks, newest first: the boot read backwards
 //	              │                  (sseHub, leaderElection, jobsHeartbeat, outboxPoller,
-//	              │                  jobsWorker, search, heartbeats, redis, db)
+//	              │                  jobsWorker, search, heartbeats, clusterStatus, redis, db)
 //	              ├─ telemetryFlush  the spans of boot and drain leave the process
 //	              │                  state → stopped
 //	              └─ opsListener     probes and metrics answered until here
