@@ -54,7 +54,7 @@ func (a *app) boot(ctx context.Context) error {
 		{"schemaBaseline", t.phase, failExit, a.schemaBaseline},
 		// 9. exit, apply or warn on pending migrations: KUMIKO_MIGRATIONS_MODE (migrations.go).
 		{"migrationsCheck", t.phase, failExit, a.migrationsCheck},
-		// 10. the Redis client and the heartbeat keys, same backoff as the DB (redis.go).
+		// 10. the Redis client, the heartbeat keys and the dashboard status record, same backoff as the DB (redis.go).
 		{"redisConnect", t.connect, failExit, a.redisConnect},
 		// 11. Meilisearch; when down, warn and let search fall back (search.go).
 		{"searchAdapter", t.phase, failWarn, a.searchAdapter},
