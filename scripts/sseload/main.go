@@ -15,6 +15,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/url"
@@ -108,18 +109,20 @@ func openStream(host string) (net.Conn, error) {
 	fmt.Fprintf(c, "GET /api/events HTTP/1.1\r\nHost: %s\r\nAccept: text/event-stream\r\n\r\n", host)
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	br := bufio.NewReaderSize(c, 512)
-	status, err := br.ReadString('\n')
-	if err != nil || !strings.Contains(status, " 200 ") {
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil || resp.StatusCode != http.StatusOK {
 		c.Close()
-		return nil, fmt.Errorf("status %q: %v", strings.TrimSpace(status), err)
+		return nil, fmt.Errorf("opening the stream: %v %v", resp, err)
 	}
 	c.SetReadDeadline(time.Time{})
-	return bufferedConn{Conn: c, r: br}, nil
+	// resp.Body undoes the chunked transfer encoding: read raw, a chunk
+	// boundary inside a frame would cut its order id in two.
+	return bufferedConn{Conn: c, r: resp.Body}, nil
 }
 
 type bufferedConn struct {
 	net.Conn
-	r *bufio.Reader
+	r io.Reader
 }
 
 func (b bufferedConn) Read(p []byte) (int, error) { return b.r.Read(p) }
