@@ -198,11 +198,7 @@ func TestProcessIdleKeepAliveSurvivesTheStartOfTheDrain(t *testing.T) {
 	p := startProc(t, env)
 	_, api := p.waitReady()
 
-	conn, err := net.DialTimeout("tcp", strings.TrimPrefix(api, "http://"), time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	conn := dialBase(t, api)
 	r := bufio.NewReader(conn)
 	ask := func() (*http.Response, error) {
 		conn.SetDeadline(time.Now().Add(5 * time.Second))
