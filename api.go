@@ -11,7 +11,6 @@ import (
 	"net/http/pprof"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -112,11 +111,10 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 // by listenHTTP itself, so a port in use is an error of the phase that asked
 // for it, not of some goroutine later.
 type httpServer struct {
-	name   string
-	srv    *http.Server
-	addr   net.Addr
-	closed chan struct{} // closed once the listener is: no new connection from here on
-	done   chan struct{} // closed when Serve has returned
+	name string
+	srv  *http.Server
+	addr net.Addr
+	done chan struct{} // closed when Serve has returned
 }
 
 // listenHTTP binds addr and serves h on it from one owned goroutine. A Serve
@@ -136,33 +134,17 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 			MaxHeaderBytes: maxHeaderBytes,
 			// net/http's own complaints (bad handshakes, header timeouts) join the structured log.
 			ErrorLog: stdlog.New(warnWriter{log.WithField("component", name)}, "", 0)},
-		addr:   ln.Addr(),
-		closed: make(chan struct{}),
-		done:   make(chan struct{}),
+		addr: ln.Addr(),
+		done: make(chan struct{}),
 	}
 	go func() {
 		defer close(s.done)
-		if err := s.srv.Serve(notifyingListener{Listener: ln, closed: s.closed, once: new(sync.Once)}); !errors.Is(err, http.ErrServerClosed) {
+		if err := s.srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
 			failed(fmt.Errorf("%s listener stopped serving: %w", name, err))
 		}
 	}()
 	log.WithFields(logrus.Fields{"component": name, "addr": s.addr.String()}).Info("listening")
 	return s, nil
-}
-
-// notifyingListener says when it has been closed. http.Server.Shutdown closes
-// its listeners first and then waits for the handlers; the drain learns the
-// moment new connections are refused from here, not by guessing.
-type notifyingListener struct {
-	net.Listener
-	closed chan struct{}
-	once   *sync.Once
-}
-
-func (l notifyingListener) Close() error {
-	err := l.Listener.Close()
-	l.once.Do(func() { close(l.closed) })
-	return err
 }
 
 // warnWriter turns each line written to it into a structured warning,

@@ -190,14 +190,13 @@ func (a *app) drain(ctx context.Context, reason string) error {
 	ctx, span := a.lc.tracer().Start(ctx, "lifecycle.shutdown", trace.WithAttributes(attribute.String("reason", reason)))
 	drainCtx, cancelDrain := context.WithTimeout(ctx, a.timeouts.drain) // sseClose and inFlight share it
 	defer cancelDrain()
-	handlersDone := make(chan error, 1) // http.Server.Shutdown's result, once every handler has returned
 
 	a.step(ctx, "readiness", a.stopBeingReady)
 	if a.api != nil {
 		a.step(ctx, "linger", func(ctx context.Context) error { return sleepCtx(ctx, a.timeouts.linger) })
-		a.step(ctx, "closeListener", func(ctx context.Context) error { return a.closeAPIListener(ctx, drainCtx, handlersDone) })
+		a.step(ctx, "closeListener", a.closeAPIListener)
 		a.step(ctx, "sseClose", func(ctx context.Context) error { return a.closeStreams(drainCtx, ctx) })
-		a.step(ctx, "inFlight", func(context.Context) error { return a.awaitInFlight(handlersDone) })
+		a.step(ctx, "inFlight", func(context.Context) error { return a.awaitInFlight(drainCtx) })
 	}
 	releaseErr := a.lc.runShutdownHooks(ctx, a.timeouts.hookReserve, func(name string, took time.Duration, err error) {
 		a.stepDone(ctx, name, time.Now().Add(-took), err)
@@ -238,18 +237,18 @@ func closeAfterDraining(lc *Lifecycle, h http.Handler) http.Handler {
 	})
 }
 
-// closeAPIListener refuses new connections. http.Server.Shutdown closes the
-// listener at once, then waits for the handlers in flight until drainCtx
-// ends; awaitInFlight collects that wait. The step ends when the port
-// refuses, not when Shutdown was asked.
-func (a *app) closeAPIListener(ctx, drainCtx context.Context, handlersDone chan<- error) error {
-	go func() { handlersDone <- a.api.srv.Shutdown(drainCtx) }()
-	select {
-	case <-a.api.closed:
-		return nil
-	case <-ctx.Done():
-		return context.Cause(ctx)
+// closeAPIListener refuses new connections and closes the idle ones. It is
+// http.Server.Shutdown's first pass, asked with a context that has already
+// ended: Shutdown closes the listener (and returns only once Serve has let go
+// of it), closes the idle connections, and returns instead of waiting for the
+// handlers. awaitInFlight waits for them, after the streams are closed.
+func (a *app) closeAPIListener(context.Context) error {
+	firstPassOnly, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := a.api.srv.Shutdown(firstPassOnly); err != nil && !errors.Is(err, context.Canceled) {
+		return fmt.Errorf("closing the API listener: %w", err)
 	}
+	return nil
 }
 
 // closeStreams ends the event streams with `event: shutdown` and a retry
@@ -274,8 +273,13 @@ func (a *app) closeStreams(drainCtx, ctx context.Context) error {
 // then force-closes what is left, with a warning and a metric. Shutdown may
 // also time out on the connections of streams closeStreams has just
 // force-closed: those are no requests, so no warning for them.
-func (a *app) awaitInFlight(handlersDone <-chan error) error {
-	if err := <-handlersDone; err != nil {
+//
+// Shutdown is asked here, after closeStreams, not once from closeListener:
+// it polls for the last handlers with a back-off that doubles up to 500 ms,
+// and a poll started before the streams closed would find them gone up to
+// half a second late.
+func (a *app) awaitInFlight(drainCtx context.Context) error {
+	if err := a.api.srv.Shutdown(drainCtx); err != nil {
 		if n := a.inFlight.Load(); n > 0 {
 			a.metrics.shutdownForced.Add(float64(n))
 			a.log.WithFields(logrus.Fields{"component": "lifecycle", "step": "inFlight", "requests": n,
