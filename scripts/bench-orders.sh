@@ -19,7 +19,7 @@ scripts/install-deps.sh
 export PATH="$PATH:$(go env GOPATH)/bin"
 
 WORKERS=${WORKERS:-32} DURATION=${DURATION:-10s}
-LB_PORT=0 PG_PORT=${PG_PORT:-55436} REDIS_PORT=${REDIS_PORT:-56383} REF_PORT=${REF_PORT:-18090}
+LB_PORT=0 PG_PORT=${PG_PORT:-25436} REDIS_PORT=${REDIS_PORT:-26383} REF_PORT=${REF_PORT:-18090}
 API_PORT1=${API_PORT1:-18091} OPS_PORT1=${OPS_PORT1:-18092} DIR=${BENCH_DIR:-$PWD/.bench-orders}
 # All the load comes from one client address: the per-address rate limit is
 # lifted, or the figure would be the limit's.

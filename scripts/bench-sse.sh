@@ -15,7 +15,7 @@ scripts/install-deps.sh
 export PATH="$PATH:$(go env GOPATH)/bin"
 
 STREAMS=${STREAMS:-"1000 5000 10000"} RATE=${RATE:-200} DURATION=${DURATION:-10s}
-LB_PORT=0 PG_PORT=${PG_PORT:-55437} REDIS_PORT=${REDIS_PORT:-56384}
+LB_PORT=0 PG_PORT=${PG_PORT:-25437} REDIS_PORT=${REDIS_PORT:-26384}
 API_PORT1=${API_PORT1:-18093} OPS_PORT1=${OPS_PORT1:-18094} DIR=${BENCH_DIR:-$PWD/.bench-sse}
 ulimit -n "$(ulimit -Hn)" # every stream is a descriptor in the instance and in the load tool
 source scripts/lib.sh

@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 
-LB_PORT=${LB_PORT:-8080} PG_PORT=${PG_PORT:-55432} REDIS_PORT=${REDIS_PORT:-56379} DIR=${DEMO_DIR:-$PWD/.demo}
+LB_PORT=${LB_PORT:-8080} PG_PORT=${PG_PORT:-25432} REDIS_PORT=${REDIS_PORT:-26379} DIR=${DEMO_DIR:-$PWD/.demo}
 source scripts/lib.sh
 check_ports LB_PORT="$LB_PORT" PG_PORT="$PG_PORT" REDIS_PORT="$REDIS_PORT" \
   API_PORT1="${API_PORTS[1]}" API_PORT2="${API_PORTS[2]}" OPS_PORT1="${OPS_PORTS[1]}" OPS_PORT2="${OPS_PORTS[2]}" || exit 1

@@ -18,7 +18,10 @@ as_pg() { if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; 
 app_pids=() prefixer_pids=() server_pids=()
 
 # check_ports NAME=PORT...: before anything starts, name every port that is
-# taken and the variable that moves it, and stop.
+# taken and the variable that moves it, and stop. The scripts' default ports
+# are all below 32768, outside Linux's ephemeral range: a port a load run's
+# client connections used stays in TIME_WAIT for a minute, and PostgreSQL
+# could not bind it in the next script.
 check_ports() {
   local taken=0 pair
   for pair in "$@"; do

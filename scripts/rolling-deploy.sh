@@ -17,7 +17,7 @@ scripts/install-deps.sh
 export PATH="$PATH:$(go env GOPATH)/bin"
 
 RATE=${RATE:-500} STEADY=${STEADY:-10s} LOAD=${LOAD:-slow}
-LB_PORT=${LB_PORT:-18080} PG_PORT=${PG_PORT:-55433} REDIS_PORT=${REDIS_PORT:-56380} DIR=${ROLL_DIR:-$PWD/.rolling}
+LB_PORT=${LB_PORT:-18080} PG_PORT=${PG_PORT:-25433} REDIS_PORT=${REDIS_PORT:-26380} DIR=${ROLL_DIR:-$PWD/.rolling}
 LB_CHECK_INTERVAL=${LB_CHECK_INTERVAL:-250ms}
 export KUMIKO_LINGER=${KUMIKO_LINGER:-1s} KUMIKO_LOG_FORMAT=json LB_STRICT=1
 # All the load comes from one address (vegeta's), which the per-address rate

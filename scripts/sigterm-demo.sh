@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
-LB_PORT=0 PG_PORT=${PG_PORT:-55434} REDIS_PORT=${REDIS_PORT:-56381} DIR=${DEMO_DIR:-$PWD/.sigterm-demo}
+LB_PORT=0 PG_PORT=${PG_PORT:-25434} REDIS_PORT=${REDIS_PORT:-26381} DIR=${DEMO_DIR:-$PWD/.sigterm-demo}
 source scripts/lib.sh
 trap cleanup EXIT INT TERM
 
