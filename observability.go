@@ -102,6 +102,7 @@ type metrics struct {
 	outboxLatency     prometheus.Histogram
 	sseStreams        prometheus.Gauge
 	sseDropped        prometheus.Counter
+	sseSendLag        prometheus.Histogram
 	ordersCreated     *prometheus.CounterVec
 	leader            prometheus.Gauge
 	leaderTransitions prometheus.Counter
@@ -182,6 +183,11 @@ func newMetrics() *metrics {
 		sseDropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "sse_slow_streams_closed_total", Help: "Event streams closed because the client fell too far behind.",
 		}),
+		sseSendLag: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: metricNamespace, Name: "sse_send_lag_seconds",
+			Help:    "From writing an event to handing it to a stream's connection, for the oldest event of each write: how far the fan-out runs behind.",
+			Buckets: []float64{.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 5, 30},
+		}),
 		ordersCreated: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "orders_total", Help: "POST /api/orders outcomes: created, replayed, conflict.",
 		}, []string{"result"}),
@@ -211,7 +217,7 @@ func newMetrics() *metrics {
 		m.httpInFlight, m.httpRequests, m.httpDuration, m.readinessOK, m.readinessProbes, m.panics,
 		m.connectAttempts, m.heartbeatWritten,
 		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxWakeFailed, m.outboxLatency,
-		m.sseStreams, m.sseDropped, m.ordersCreated, m.leader, m.leaderTransitions, m.leaderFenced, m.leaderFencedTotal, m.jobs, m.jobDuration,
+		m.sseStreams, m.sseDropped, m.sseSendLag, m.ordersCreated, m.leader, m.leaderTransitions, m.leaderFenced, m.leaderFencedTotal, m.jobs, m.jobDuration,
 	)
 	m.initKnownLabels()
 	return m

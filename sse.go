@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/labstack/echo/v4"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"github.com/sirupsen/logrus"
 )
@@ -89,8 +90,9 @@ type sseHub struct {
 
 // feedFrame is one delivered event in the hub's feed, as every stream sends it.
 type feedFrame struct {
-	seq   int64
-	frame []byte // shared by every stream: never modified after publishing
+	seq     int64
+	written time.Time // when the event was written (its outbox row's created_at)
+	frame   []byte    // shared by every stream: never modified after publishing
 }
 
 // sseStream is one client's stream as the hub sees it.
@@ -103,6 +105,7 @@ type sseStream struct {
 	cancel   context.CancelFunc
 	rc       *http.ResponseController
 	timeout  time.Duration
+	lag      prometheus.Observer // kumiko_sse_send_lag_seconds
 
 	mu     sync.Mutex
 	forced bool // the drain gave up on this stream: no more writes
@@ -159,11 +162,13 @@ func (s *sseStream) flush() error {
 }
 
 // sendFrames writes the feed frames after *cursor and flushes them, under one
-// write deadline; *cursor moves to the last one.
+// write deadline; *cursor moves to the last one. The oldest frame's age is
+// the stream's send lag.
 func (s *sseStream) sendFrames(w http.ResponseWriter, frames []feedFrame, cursor *int64) error {
 	if err := s.arm(); err != nil {
 		return err
 	}
+	var oldest time.Time
 	sent := false
 	for _, f := range frames {
 		if f.seq <= *cursor {
@@ -172,7 +177,10 @@ func (s *sseStream) sendFrames(w http.ResponseWriter, frames []feedFrame, cursor
 		if _, err := w.Write(f.frame); err != nil {
 			return fmt.Errorf("writing to the event stream: %w", err)
 		}
-		*cursor, sent = f.seq, true
+		if !sent {
+			oldest, sent = f.written, true
+		}
+		*cursor = f.seq
 	}
 	if !sent {
 		return nil
@@ -180,6 +188,7 @@ func (s *sseStream) sendFrames(w http.ResponseWriter, frames []feedFrame, cursor
 	if err := s.rc.Flush(); err != nil {
 		return fmt.Errorf("flushing the event stream: %w", err)
 	}
+	s.lag.Observe(time.Since(oldest).Seconds())
 	return nil
 }
 
@@ -284,7 +293,7 @@ func (h *sseHub) readAfterCursor(ctx context.Context) (int, error) {
 	}
 	frames := make([]feedFrame, 0, len(events))
 	for i := range events {
-		frames = append(frames, feedFrame{seq: events[i].Seq, frame: appendEvent(nil, &events[i])})
+		frames = append(frames, feedFrame{seq: events[i].Seq, written: events[i].CreatedAt, frame: appendEvent(nil, &events[i])})
 	}
 	h.publish(frames)
 	return len(events), nil
@@ -393,7 +402,7 @@ func (h *sseHub) open(ctx context.Context, ip string, rc *http.ResponseControlle
 		return nil, 0, apiError(http.StatusTooManyRequests, "too_many_streams_from_ip",
 			fmt.Sprintf("at most %d event streams per client address; close one first", h.cfg.MaxStreamsPerIP))
 	}
-	s := &sseStream{ip: ip, closed: make(chan struct{}), rc: rc, timeout: h.cfg.WriteTimeout}
+	s := &sseStream{ip: ip, closed: make(chan struct{}), rc: rc, timeout: h.cfg.WriteTimeout, lag: h.metrics.sseSendLag}
 	s.ctx, s.cancel = context.WithCancel(ctx)
 	h.handlers[s] = struct{}{}
 	h.subscribed[s] = struct{}{}
