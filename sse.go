@@ -85,6 +85,10 @@ type sseHub struct {
 	// taking every pool connection the API and the workers need.
 	replaying chan struct{}
 
+	// sendBuffers lend a stream the buffer it gathers one write in; they are
+	// as many as the writes in progress, not as the streams.
+	sendBuffers sync.Pool
+
 	pubsub *redis.PubSub
 }
 
@@ -106,6 +110,7 @@ type sseStream struct {
 	rc       *http.ResponseController
 	timeout  time.Duration
 	lag      prometheus.Observer // kumiko_sse_send_lag_seconds
+	buffers  *sync.Pool          // the hub's sendBuffers
 
 	mu     sync.Mutex
 	forced bool // the drain gave up on this stream: no more writes
@@ -162,28 +167,37 @@ func (s *sseStream) flush() error {
 }
 
 // sendFrames writes the feed frames after *cursor and flushes them, under one
-// write deadline; *cursor moves to the last one. The oldest frame's age is
-// the stream's send lag.
+// write deadline; *cursor moves to the last one. The frames are gathered into
+// one Write: net/http's buffers are 2 and 4 KB, and frames written one by one
+// would leave in a system call per 4 KB, a call that costs the same for 300
+// bytes or 30 KB. The oldest frame's age is the stream's send lag.
 func (s *sseStream) sendFrames(w http.ResponseWriter, frames []feedFrame, cursor *int64) error {
 	if err := s.arm(); err != nil {
 		return err
 	}
+	buf, _ := s.buffers.Get().(*[]byte)
+	if buf == nil {
+		buf = new([]byte)
+	}
+	defer s.buffers.Put(buf)
+	out := (*buf)[:0]
 	var oldest time.Time
-	sent := false
 	for _, f := range frames {
 		if f.seq <= *cursor {
 			continue // already sent by the replay
 		}
-		if _, err := w.Write(f.frame); err != nil {
-			return fmt.Errorf("writing to the event stream: %w", err)
+		if len(out) == 0 {
+			oldest = f.written
 		}
-		if !sent {
-			oldest, sent = f.written, true
-		}
+		out = append(out, f.frame...)
 		*cursor = f.seq
 	}
-	if !sent {
+	*buf = out
+	if len(out) == 0 {
 		return nil
+	}
+	if _, err := w.Write(out); err != nil {
+		return fmt.Errorf("writing to the event stream: %w", err)
 	}
 	if err := s.rc.Flush(); err != nil {
 		return fmt.Errorf("flushing the event stream: %w", err)
@@ -402,7 +416,8 @@ func (h *sseHub) open(ctx context.Context, ip string, rc *http.ResponseControlle
 		return nil, 0, apiError(http.StatusTooManyRequests, "too_many_streams_from_ip",
 			fmt.Sprintf("at most %d event streams per client address; close one first", h.cfg.MaxStreamsPerIP))
 	}
-	s := &sseStream{ip: ip, closed: make(chan struct{}), rc: rc, timeout: h.cfg.WriteTimeout, lag: h.metrics.sseSendLag}
+	s := &sseStream{ip: ip, closed: make(chan struct{}), rc: rc, timeout: h.cfg.WriteTimeout,
+		lag: h.metrics.sseSendLag, buffers: &h.sendBuffers}
 	s.ctx, s.cancel = context.WithCancel(ctx)
 	h.handlers[s] = struct{}{}
 	h.subscribed[s] = struct{}{}
