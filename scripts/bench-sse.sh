@@ -38,7 +38,7 @@ for n in $STREAMS; do
   start_app 1 "$DIR/app1-$n.log"
   wait_ready 1
   "$DIR/sseload" -api "http://127.0.0.1:$API_PORT1" -pid "${app_pids[1]}" -streams "$n" -rate "$RATE" \
-    -duration "$DURATION" -linger "$KUMIKO_LINGER"
+    -duration "$DURATION" -linger "$KUMIKO_LINGER" -metrics "http://127.0.0.1:$OPS_PORT1/metrics"
   wait "${app_pids[1]}" && code=0 || code=$?
   echo "exit code      $code"
   unset 'app_pids[1]'

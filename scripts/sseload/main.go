@@ -43,6 +43,7 @@ func run() error {
 	rate := flag.Int("rate", 200, "orders posted per second")
 	duration := flag.Duration("duration", 10*time.Second, "how long orders are posted")
 	linger := flag.Duration("linger", 0, "the instance's KUMIKO_LINGER, for the exit budget")
+	metricsURL := flag.String("metrics", "", "the instance's /metrics: kumiko_sse_send_lag_seconds, the server's side of the latency")
 	cpuProfile := flag.String("cpuprofile", "", "write this tool's own CPU profile here: it shares the cores it measures")
 	flag.Parse()
 	if *cpuProfile != "" {
@@ -83,6 +84,7 @@ func run() error {
 	time.Sleep(time.Second) // let the instance settle before its memory is read
 	rssOpen := rssKB(*pid)
 	cpu0 := cpuSeconds(*pid)
+	lag0 := sendLag(*metricsURL)
 
 	posted := postOrders(*api, *rate, *duration, r)
 	deadline := time.Now().Add(10 * time.Second)
@@ -90,6 +92,7 @@ func run() error {
 		time.Sleep(50 * time.Millisecond)
 	}
 	cpu := cpuSeconds(*pid) - cpu0
+	lag := sendLag(*metricsURL).since(lag0)
 
 	exitStart := time.Now()
 	syscall.Kill(*pid, syscall.SIGTERM)
@@ -105,6 +108,10 @@ func run() error {
 	fmt.Printf("streams %d (opened in %s)   orders %d at %d/s   deliveries %d of %d\n",
 		*streams, openTook.Round(time.Millisecond), posted, *rate, n, posted**streams)
 	fmt.Printf("post → stream   p50 %.1f ms   p99 %.1f ms   max %.1f ms\n", p50, p99, pmax)
+	if lag.count > 0 {
+		fmt.Printf("server side     p50 ≤ %s   p99 ≤ %s   from the commit to the stream's connection (%.0f writes)\n",
+			lag.pct(50), lag.pct(99), lag.count)
+	}
 	fmt.Printf("memory          RSS %d MB idle, %d MB with the streams: %.1f KB per stream\n",
 		rssIdle/1024, rssOpen/1024, float64(rssOpen-rssIdle)/float64(*streams))
 	fmt.Printf("CPU             %.2f s over the posting (%.0f%% of one core)\n", cpu, 100*cpu/duration.Seconds())
@@ -330,4 +337,65 @@ func cpuSeconds(pid int) float64 {
 	utime, _ := strconv.ParseFloat(fields[11], 64)
 	stime, _ := strconv.ParseFloat(fields[12], 64)
 	return (utime + stime) / 100 // USER_HZ is 100 on Linux
+}
+
+// lagBuckets is kumiko_sse_send_lag_seconds as scraped: cumulative counts by
+// upper bound (seconds), in the order /metrics lists them.
+type lagBuckets struct {
+	le     []string
+	counts []float64
+	count  float64
+}
+
+// sendLag scrapes the instance's send-lag histogram; empty when url is.
+func sendLag(url string) lagBuckets {
+	var b lagBuckets
+	if url == "" {
+		return b
+	}
+	resp, err := http.Get(url)
+	if err != nil {
+		return b
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		rest, ok := strings.CutPrefix(sc.Text(), `kumiko_sse_send_lag_seconds_bucket{le="`)
+		if !ok {
+			continue
+		}
+		le, value, _ := strings.Cut(rest, `"} `)
+		n, _ := strconv.ParseFloat(value, 64)
+		b.le, b.counts = append(b.le, le), append(b.counts, n)
+		if le == "+Inf" {
+			b.count = n
+		}
+	}
+	return b
+}
+
+// since is what was observed after before was scraped.
+func (b lagBuckets) since(before lagBuckets) lagBuckets {
+	if len(before.counts) != len(b.counts) {
+		return b
+	}
+	d := lagBuckets{le: b.le, count: b.count - before.count}
+	for i := range b.counts {
+		d.counts = append(d.counts, b.counts[i]-before.counts[i])
+	}
+	return d
+}
+
+// pct is the upper bound of the bucket holding the p-th percentile.
+func (b lagBuckets) pct(p float64) string {
+	for i, n := range b.counts {
+		if n >= b.count*p/100 {
+			if b.le[i] == "+Inf" {
+				return "∞"
+			}
+			s, _ := strconv.ParseFloat(b.le[i], 64)
+			return fmt.Sprintf("%g ms", s*1000)
+		}
+	}
+	return "?"
 }
