@@ -11,6 +11,7 @@ import (
 	"net/http/pprof"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -111,10 +112,11 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 // by listenHTTP itself, so a port in use is an error of the phase that asked
 // for it, not of some goroutine later.
 type httpServer struct {
-	name string
-	srv  *http.Server
-	addr net.Addr
-	done chan struct{} // closed when Serve has returned
+	name   string
+	srv    *http.Server
+	addr   net.Addr
+	done   chan struct{} // closed when Serve has returned
+	silent *silentConns
 }
 
 // listenHTTP binds addr and serves h on it from one owned goroutine. A Serve
@@ -125,17 +127,19 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 	if err != nil {
 		return nil, fmt.Errorf("binding the %s listener: %w", name, err)
 	}
+	silent := &silentConns{since: map[net.Conn]time.Time{}}
 	s := &httpServer{
 		name: name,
 		// No server-wide ReadTimeout or WriteTimeout: they would cut the event
 		// streams. Bodies get a per-request deadline (bodyReadDeadline), stream
 		// writes their own write deadline.
 		srv: &http.Server{Handler: h, ReadHeaderTimeout: hc.ReadHeaderTimeout, IdleTimeout: hc.IdleTimeout,
-			MaxHeaderBytes: maxHeaderBytes,
+			MaxHeaderBytes: maxHeaderBytes, ConnState: silent.track,
 			// net/http's own complaints (bad handshakes, header timeouts) join the structured log.
 			ErrorLog: stdlog.New(warnWriter{log.WithField("component", name)}, "", 0)},
-		addr: ln.Addr(),
-		done: make(chan struct{}),
+		addr:   ln.Addr(),
+		done:   make(chan struct{}),
+		silent: silent,
 	}
 	go func() {
 		defer close(s.done)
@@ -145,6 +149,42 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 	}()
 	log.WithFields(logrus.Fields{"component": name, "addr": s.addr.String()}).Info("listening")
 	return s, nil
+}
+
+// silentConns are the connections that have not sent a byte yet
+// (http.StateNew), each with the moment it was accepted. http.Server.Shutdown
+// counts such a connection as busy for its first 5 seconds, in case a request
+// is on its way; the drain closes the ones that stayed silent instead
+// (closeSilent), so a browser's or a pool's unused preconnect does not hold
+// the exit back.
+type silentConns struct {
+	mu    sync.Mutex
+	since map[net.Conn]time.Time
+}
+
+// track is the server's ConnState hook.
+func (s *silentConns) track(c net.Conn, state http.ConnState) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if state == http.StateNew {
+		s.since[c] = time.Now()
+	} else {
+		delete(s.since, c)
+	}
+}
+
+// closeSilent closes the connections silent for longer than grace and says how many.
+func (s *silentConns) closeSilent(grace time.Duration) (closed int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for c, since := range s.since {
+		if time.Since(since) > grace {
+			c.Close() // net/http's read fails: it forgets the connection (StateClosed)
+			delete(s.since, c)
+			closed++
+		}
+	}
+	return closed
 }
 
 // warnWriter turns each line written to it into a structured warning,

@@ -2,9 +2,11 @@ package main
 
 import (
 	"bufio"
+	"errors"
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"strings"
 	"syscall"
 	"testing"
@@ -221,6 +223,38 @@ func TestProcessIdleKeepAliveSurvivesTheStartOfTheDrain(t *testing.T) {
 	resp, err := ask()
 	if err != nil || resp.StatusCode != 200 || !resp.Close {
 		t.Fatalf("on the idle connection, during the linger: %v %v; want 200 with Connection: close", resp, err)
+	}
+	if code := p.wait(15 * time.Second); code != 0 {
+		t.Fatalf("exit code %d, want 0", code)
+	}
+}
+
+// A connection that never sends a request (a browser's preconnect) does not
+// hold the drain: net/http's Shutdown would count it as busy for 5 s, the
+// drain closes it once it has been silent for silentConnGrace.
+func TestProcessSilentConnectionDoesNotHoldTheDrain(t *testing.T) {
+	env := fastEnv(t)
+	env["KUMIKO_LINGER"] = "0"
+	env["KUMIKO_HTTP_READ_HEADER_TIMEOUT"] = "60s" // net/http's own limit stays out of the way
+	p := startProc(t, env)
+	_, api := p.waitReady()
+
+	silent := dialBase(t, api)
+	// The server accepts in order: once a later connection is answered, the
+	// silent one has been accepted too.
+	if resp, err := http.Get(api + "/health"); err != nil {
+		t.Fatal(err)
+	} else {
+		resp.Body.Close()
+	}
+	p.signal(syscall.SIGTERM)
+	closed := p.waitLog(10*time.Second, map[string]any{"step": "inFlight", "msg": "closed connections that sent no request"})
+	if closed["connections"].(float64) < 1 {
+		t.Errorf("the drain closed %v silent connections, want at least 1", closed["connections"])
+	}
+	silent.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if n, err := silent.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Errorf("the silent connection is still open after the drain closed it: read %d bytes, %v", n, err)
 	}
 	if code := p.wait(15 * time.Second); code != 0 {
 		t.Fatalf("exit code %d, want 0", code)

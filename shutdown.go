@@ -277,9 +277,28 @@ func (a *app) closeStreams(drainCtx, ctx context.Context) error {
 // Shutdown is asked here, after closeStreams, not once from closeListener:
 // it polls for the last handlers with a back-off that doubles up to 500 ms,
 // and a poll started before the streams closed would find them gone up to
-// half a second late.
+// half a second late. While it waits, connections that have sent nothing
+// for silentConnGrace are closed (Shutdown itself would wait 5 s for them).
 func (a *app) awaitInFlight(drainCtx context.Context) error {
-	if err := a.api.srv.Shutdown(drainCtx); err != nil {
+	shutdown := make(chan error, 1)
+	go func() { shutdown <- a.api.srv.Shutdown(drainCtx) }()
+	silent := a.api.silent.closeSilent(silentConnGrace)
+	tick := time.NewTicker(silentConnGrace / 4)
+	defer tick.Stop()
+	var err error
+	for waiting := true; waiting; {
+		select {
+		case err = <-shutdown:
+			waiting = false
+		case <-tick.C:
+			silent += a.api.silent.closeSilent(silentConnGrace)
+		}
+	}
+	if silent > 0 {
+		a.log.WithFields(logrus.Fields{"component": "lifecycle", "step": "inFlight", "connections": silent,
+			"silent_ms": silentConnGrace.Milliseconds()}).Info("closed connections that sent no request")
+	}
+	if err != nil {
 		if n := a.inFlight.Load(); n > 0 {
 			a.metrics.shutdownForced.Add(float64(n))
 			a.log.WithFields(logrus.Fields{"component": "lifecycle", "step": "inFlight", "requests": n,
