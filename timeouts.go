@@ -36,11 +36,12 @@ const hardStopGrace = abandonGrace / 2
 
 // silentConnGrace: in the drain, an API connection that has not sent a
 // whole request header this long after it was accepted is closed rather than
-// waited for. Clients send their request as soon as they connect; what stays
-// silent is a browser's or a connection pool's unused preconnect, which
-// net/http's Shutdown counts as busy for 5 s. The price: a request whose
-// header takes longer than this to arrive is cut when the drain reaches it.
-const silentConnGrace = time.Second
+// waited for. Clients send their request as soon as their handshake is done;
+// what stays silent is a browser's or a connection pool's unused preconnect,
+// which net/http's Shutdown counts as busy for 5 s. The price: a request
+// whose header takes longer than this to arrive is cut when the drain
+// reaches it.
+const silentConnGrace = 500 * time.Millisecond
 
 func lifecycleTimeouts(l lifecycleConfig) timeouts {
 	releases := l.ShutdownTimeout - l.Linger - l.DrainTimeout // > 0: config validation says so
