@@ -151,12 +151,12 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 	return s, nil
 }
 
-// silentConns are the connections that have not sent a byte yet
-// (http.StateNew), each with the moment it was accepted. http.Server.Shutdown
-// counts such a connection as busy for its first 5 seconds, in case a request
-// is on its way; the drain closes the ones that stayed silent instead
-// (closeSilent), so a browser's or a pool's unused preconnect does not hold
-// the exit back.
+// silentConns are the connections that have not sent a whole request header
+// yet (http.StateNew), each with the moment it was accepted.
+// http.Server.Shutdown counts such a connection as busy for its first 5
+// seconds, in case a request is on its way; the drain closes the ones that
+// stayed silent instead (closeSilent), so a browser's or a pool's unused
+// preconnect does not hold the exit back.
 type silentConns struct {
 	mu    sync.Mutex
 	since map[net.Conn]time.Time
