@@ -599,7 +599,7 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string)
 				}
 				// Even after a write, the stream waits for the next wake: it
 				// writes at most once per wake, also when it is behind, so
-				// the wake spacing bounds the fan-out's CPU.
+				// the wake spacing bounds the fan-out's writes.
 				select {
 				case <-wake:
 					continue
