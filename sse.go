@@ -15,7 +15,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/labstack/echo/v4"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"github.com/sirupsen/logrus"
 )
@@ -109,8 +108,6 @@ type sseStream struct {
 	cancel   context.CancelFunc
 	rc       *http.ResponseController
 	timeout  time.Duration
-	lag      prometheus.Observer // kumiko_sse_send_lag_seconds
-	buffers  *sync.Pool          // the hub's sendBuffers
 
 	mu     sync.Mutex
 	forced bool // the drain gave up on this stream: no more writes
@@ -171,15 +168,15 @@ func (s *sseStream) flush() error {
 // one Write: net/http's buffers are 2 and 4 KB, and frames written one by one
 // would leave in a system call per 4 KB, a call that costs the same for 300
 // bytes or 30 KB. The oldest frame's age is the stream's send lag.
-func (s *sseStream) sendFrames(w http.ResponseWriter, frames []feedFrame, cursor *int64) error {
+func (h *sseHub) sendFrames(s *sseStream, w http.ResponseWriter, frames []feedFrame, cursor *int64) error {
 	if err := s.arm(); err != nil {
 		return err
 	}
-	buf, _ := s.buffers.Get().(*[]byte)
+	buf, _ := h.sendBuffers.Get().(*[]byte)
 	if buf == nil {
 		buf = new([]byte)
 	}
-	defer s.buffers.Put(buf)
+	defer h.sendBuffers.Put(buf)
 	out := (*buf)[:0]
 	var oldest time.Time
 	for _, f := range frames {
@@ -202,7 +199,7 @@ func (s *sseStream) sendFrames(w http.ResponseWriter, frames []feedFrame, cursor
 	if err := s.rc.Flush(); err != nil {
 		return fmt.Errorf("flushing the event stream: %w", err)
 	}
-	s.lag.Observe(time.Since(oldest).Seconds())
+	h.metrics.sseSendLag.Observe(time.Since(oldest).Seconds())
 	return nil
 }
 
@@ -419,8 +416,7 @@ func (h *sseHub) open(ctx context.Context, ip string, rc *http.ResponseControlle
 		return nil, 0, apiError(http.StatusTooManyRequests, "too_many_streams_from_ip",
 			fmt.Sprintf("at most %d event streams per client address; close one first", h.cfg.MaxStreamsPerIP))
 	}
-	s := &sseStream{ip: ip, closed: make(chan struct{}), rc: rc, timeout: h.cfg.WriteTimeout,
-		lag: h.metrics.sseSendLag, buffers: &h.sendBuffers}
+	s := &sseStream{ip: ip, closed: make(chan struct{}), rc: rc, timeout: h.cfg.WriteTimeout}
 	s.ctx, s.cancel = context.WithCancel(ctx)
 	h.handlers[s] = struct{}{}
 	h.subscribed[s] = struct{}{}
@@ -591,7 +587,7 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string)
 				}
 				batch = frames
 				if len(frames) > 0 {
-					err = s.sendFrames(w, frames, &cursor)
+					err = h.sendFrames(s, w, frames, &cursor)
 					clear(batch) // let the feed's frames go once the ring moves on
 					if err != nil {
 						continue
