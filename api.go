@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"crypto/sha256"
 	"crypto/subtle"
 	"errors"
@@ -15,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/labstack/echo/v4"
 	"github.com/labstack/echo/v4/middleware"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -50,12 +52,13 @@ func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, hc htt
 
 // mountAdminRoutes adds, in phase 15, the admin routes whose dependencies the
 // later phases created. net/http's ServeMux may gain routes while it serves,
-// and its longer patterns win over the ops echo at "/".
-func mountAdminRoutes(mux *http.ServeMux, e *echo.Echo, adminToken string, rdb *redis.Client, j *jobs) {
+// and its longer patterns win over the ops echo at "/". Their Redis and
+// database calls share one request budget, like the API's.
+func mountAdminRoutes(mux *http.ServeMux, e *echo.Echo, adminToken string, budget time.Duration, rdb *redis.Client, j *jobs) {
 	if adminToken == "" {
 		return
 	}
-	admin := e.Group("/admin", requireBearer(adminToken))
+	admin := e.Group("/admin", requireBearer(adminToken), withDeadline(budget))
 	admin.GET("/workers", handleWorkers(rdb))
 	admin.POST("/jobs/:name/run", handleRunJob(j))
 	mux.Handle("/admin/workers", e)
@@ -258,6 +261,20 @@ func trackInFlight(n *atomic.Int64, m *metrics) echo.MiddlewareFunc {
 	}
 }
 
+// withDeadline bounds a request's context, and with it every dependency call
+// the handler makes on it. Only for handlers that neither stream nor wait by
+// design (/api/slow).
+func withDeadline(d time.Duration) echo.MiddlewareFunc {
+	return func(next echo.HandlerFunc) echo.HandlerFunc {
+		return func(c echo.Context) error {
+			ctx, cancel := context.WithTimeout(c.Request().Context(), d)
+			defer cancel()
+			c.SetRequest(c.Request().WithContext(ctx))
+			return next(c)
+		}
+	}
+}
+
 // admitWhenServing answers 503 with Retry-After while the process is not
 // serving. During the drain no check is needed: keep-alives are off from its
 // first moment and the listener closes after the linger, so the only requests
@@ -318,6 +335,12 @@ func jsonErrorHandler(log *logrus.Entry) echo.HTTPErrorHandler {
 			default:
 				body = errorBody{Code: codeFor(status), Message: fmt.Sprint(msg)}
 			}
+		} else if dependencyUnavailable(err) || errors.Is(err, context.Canceled) {
+			// A dependency that restarts or hangs is no bug here, and the client
+			// should come back; a request whose client left gets the same answer.
+			status, body = http.StatusServiceUnavailable, errorBody{Code: "unavailable", Message: "a dependency did not answer in time; retry shortly"}
+			c.Response().Header().Set("Retry-After", "1")
+			log.WithField("route", c.Path()).WithError(err).Warn("dependency unavailable")
 		} else {
 			// Not an answer a handler chose: log it, tell the client nothing internal.
 			log.WithField("route", c.Path()).WithError(err).Error("request failed")
@@ -326,6 +349,25 @@ func jsonErrorHandler(log *logrus.Entry) echo.HTTPErrorHandler {
 			log.WithError(err).Debug("writing the error response")
 		}
 	}
+}
+
+// dependencyUnavailable reports an error that is no fault of the request: a
+// dependency that did not answer within the request's budget, a database
+// that restarts or refuses connections, a statement the server cancelled
+// (statement_timeout, lock_timeout). The API answers it 503 with
+// Retry-After, never 500.
+func dependencyUnavailable(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case "57014", "55P03", "53300", "53400": // query_canceled, lock_not_available, too_many_connections, configuration_limit_exceeded
+			return true
+		}
+		return serverGoingAway(pgErr.Code)
+	}
+	var netErr net.Error
+	return errors.Is(err, context.DeadlineExceeded) || pgconn.Timeout(err) || connectionLost(err) ||
+		errors.Is(err, redis.ErrPoolTimeout) || (errors.As(err, &netErr) && netErr.Timeout())
 }
 
 func codeFor(status int) string {

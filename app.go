@@ -69,7 +69,7 @@ func newApp(getenv func(string) string, stdout io.Writer) *app {
 	log := newLogger(stdout, getenv("KUMIKO_LOG_FORMAT"))
 	m := newMetrics()
 	a := &app{getenv: getenv, born: born, log: log, metrics: m, lc: newLifecycle(log, m, born), bus: newEventBus(log, m),
-		timeouts: lifecycleTimeouts(defaultConfig().Lifecycle)} // until phase 1 has read the config
+		timeouts: newTimeouts(defaultConfig())} // until phase 1 has read the config
 	a.stop = newStopper(log)
 	a.lc.OnStateChange(func(from, to State) {
 		a.bus.publish(context.Background(), event{Type: eventStateChanged,

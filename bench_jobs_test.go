@@ -71,7 +71,7 @@ func benchmarkJobs(b *testing.B, workers string) {
 	env["KUMIKO_JOBS_POLL_INTERVAL"] = "100ms"
 	env["KUMIKO_JOBS_WORKERS"] = workers
 	pool := sharedPool(b, env)
-	mg, err := newMigrator(pool)
+	mg, err := newMigrator(pool, time.Minute)
 	if err != nil {
 		b.Fatal(err)
 	}

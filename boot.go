@@ -86,7 +86,7 @@ func (a *app) config(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	a.cfg = cfg
-	a.timeouts = lifecycleTimeouts(cfg.Lifecycle)
+	a.timeouts = newTimeouts(cfg)
 	setLogFormat(a.log, cfg.LogFormat)
 	a.log.AddHook(redactHook{secrets: append(cfg.secrets(), otlpSecrets(a.getenv)...)})
 	a.log.AddHook(instanceHook{id: cfg.InstanceID})
@@ -169,7 +169,8 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	a.jobs = j
-	a.lc.RegisterShutdownHook("jobsWorker", j.Stop)
+	// River's soft stop, then a second for the cancelled jobs to return.
+	a.lc.RegisterShutdownHook("jobsWorker", within(a.timeouts.jobsSoftStop+a.timeouts.hookReserve, j.Stop))
 
 	beat := a.heartbeats.RegisterHeartbeat("outbox", "outboxPoller")
 	poller := newOutboxPoller(a.db, a.redis, a.cfg.Outbox, beat, a.cfg.Lifecycle.Heartbeat.Interval, j.insertForEvents,
@@ -177,8 +178,8 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	if err := a.retry(ctx, p, "outboxPoller", 3, poller.Start); err != nil {
 		return err
 	}
-	a.lc.RegisterShutdownHook("outboxPoller", poller.Stop)
-	a.bus.subscribe(eventStateChanged, recordStateChanges(a.db, a.log.WithField("component", "events")))
+	a.lc.RegisterShutdownHook("outboxPoller", within(a.timeouts.batchFinish, poller.Stop))
+	a.bus.subscribe(eventStateChanged, recordStateChanges(a.db, a.timeouts.request, a.log.WithField("component", "events")))
 	return nil
 }
 
@@ -204,7 +205,7 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 	sched := &scheduler{db: a.db, jobs: a.jobs, crons: cronsOf(a.features),
 		beat: a.heartbeats.RegisterHeartbeat("scheduler", ""), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
 		log: a.log.WithField("component", "scheduler")}
-	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, sched.lead, sched.fence, a.log, a.metrics, a.panicked)
+	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, a.timeouts, sched.lead, sched.fence, a.log, a.metrics, a.panicked)
 	if err := a.retry(ctx, p, "leaderElection", 3, el.Start); err != nil {
 		return err
 	}
@@ -234,7 +235,7 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	}
 	a.api = api
 
-	mountAdminRoutes(a.opsRoutes, newEcho(a.log, a.metrics, "ops"), a.cfg.AdminToken, a.redis, a.jobs)
+	mountAdminRoutes(a.opsRoutes, newEcho(a.log, a.metrics, "ops"), a.cfg.AdminToken, a.timeouts.request, a.redis, a.jobs)
 	return nil
 }
 

@@ -39,6 +39,7 @@ type config struct {
 	LogFormat     string
 	AdminToken    string
 	DatabaseURL   string
+	DB            dbConfig
 	RedisURL      string
 	Search        searchConfig
 	Storage       storageConfig
@@ -52,6 +53,13 @@ type config struct {
 
 	// deprecated lists the old file keys that were read, for phase 1 to warn about.
 	deprecated []deprecatedKey
+}
+
+// dbConfig bounds every statement on the server's side, where a client's
+// deadline cannot reach: a query the client gave up on stops too.
+type dbConfig struct {
+	StatementTimeout time.Duration
+	LockTimeout      time.Duration
 }
 
 type outboxConfig struct {
@@ -89,6 +97,7 @@ type httpConfig struct {
 	IdleTimeout       time.Duration
 	RateLimit         uint
 	RateBurst         uint
+	DependencyTimeout time.Duration
 	SlowMax           time.Duration
 	DemoEndpoints     bool
 	TrustedProxies    []netip.Prefix
@@ -178,6 +187,8 @@ func (c *config) settings() []configSetting {
 			doc: "API requests per second per client IP; 0 turns the limit off"},
 		{key: "http.rateBurst", env: "KUMIKO_API_RATE_BURST", def: "1000", value: uintValue{p: &c.HTTP.RateBurst},
 			doc: "requests one client IP may send at once"},
+		{key: "http.dependencyTimeout", env: "KUMIKO_HTTP_DEPENDENCY_TIMEOUT", def: "500ms", value: durationValue{p: &c.HTTP.DependencyTimeout},
+			doc: "one API request's database and Redis calls together; past it, 503 with Retry-After"},
 		{key: "http.slowMax", env: "KUMIKO_SLOW_MAX", def: "60s", value: durationValue{p: &c.HTTP.SlowMax},
 			doc: "cap on GET /api/slow?ms=", old: "http.slowMaxSec"},
 		{key: "http.demoEndpoints", env: "KUMIKO_DEMO_ENDPOINTS", def: "true", value: boolValue{p: &c.HTTP.DemoEndpoints},
@@ -191,6 +202,10 @@ func (c *config) settings() []configSetting {
 			doc: "bearer token of /admin/*; empty turns the admin routes off"},
 		{key: "database.url", env: "DATABASE_URL", value: urlValue{p: &c.DatabaseURL, schemes: []string{"postgres", "postgresql"}},
 			doc: "postgres://user:pass@host:5432/db", required: true},
+		{key: "database.statementTimeout", env: "KUMIKO_DB_STATEMENT_TIMEOUT", def: "30s", value: durationValue{p: &c.DB.StatementTimeout},
+			doc: "the server cancels any statement running longer (PostgreSQL statement_timeout)"},
+		{key: "database.lockTimeout", env: "KUMIKO_DB_LOCK_TIMEOUT", def: "10s", value: durationValue{p: &c.DB.LockTimeout},
+			doc: "a statement waiting this long for a lock fails (lock_timeout); migrations wait up to the phase timeout"},
 		{key: "redis.url", env: "REDIS_URL", value: urlValue{p: &c.RedisURL, schemes: []string{"redis", "rediss", "unix"}},
 			doc: "redis://host:6379/0", required: true},
 		{key: "search.url", env: "MEILI_URL", value: urlValue{p: &c.Search.URL, schemes: []string{"http", "https"}},

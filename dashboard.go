@@ -80,9 +80,10 @@ const clusterCacheTTL = time.Second
 // clusterCache reads the cluster at most once per TTL; concurrent misses
 // share one read (single flight).
 type clusterCache struct {
-	rdb   *redis.Client
-	ttl   time.Duration
-	group singleflight.Group
+	rdb     *redis.Client
+	ttl     time.Duration
+	timeout time.Duration // the request budget: a hung Redis is a 503 within it
+	group   singleflight.Group
 
 	mu     sync.Mutex
 	last   cluster
@@ -99,7 +100,7 @@ func (cc *clusterCache) get(ctx context.Context) (cluster, error) {
 	cc.mu.Unlock()
 	v, err, _ := cc.group.Do("cluster", func() (any, error) {
 		// The read belongs to every waiter: one client hanging up must not fail the others.
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cc.timeout)
 		defer cancel()
 		cl, err := readCluster(rctx, cc.rdb)
 		if err != nil {
@@ -120,8 +121,8 @@ func (cc *clusterCache) get(ctx context.Context) (cluster, error) {
 // phases placed in time, requests per second, drain steps). Nothing else: no
 // notes, errors, URLs or versions; those stay behind the admin token on the
 // ops port.
-func handleInstance(lc *Lifecycle, rdb *redis.Client, instanceID string) echo.HandlerFunc {
-	cache := &clusterCache{rdb: rdb, ttl: clusterCacheTTL}
+func handleInstance(lc *Lifecycle, rdb *redis.Client, instanceID string, budget time.Duration) echo.HandlerFunc {
+	cache := &clusterCache{rdb: rdb, ttl: clusterCacheTTL, timeout: budget}
 	return func(c echo.Context) error {
 		cl, err := cache.get(c.Request().Context())
 		if err != nil {
@@ -286,10 +287,9 @@ func (sp *statusPublisher) Stop(ctx context.Context) error {
 	if err := sp.startStop.Stop(ctx); err != nil {
 		return err
 	}
-	// The page is a view: a record Redis would not take is worth a warning,
-	// not a failed drain (the record expires by itself).
+	// The page is a view: its hook is best effort (the record expires by itself).
 	if err := sp.write(ctx, StateStopped.String(), stoppedTTL); err != nil {
-		sp.log.WithError(err).Warn("the dashboard will not show this instance as stopped")
+		return fmt.Errorf("the dashboard will not show this instance as stopped: %w", err)
 	}
 	return nil
 }

@@ -2,8 +2,19 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -15,23 +26,220 @@ func (a *app) dbConnect(ctx context.Context, p *phaseRun) error {
 		// A malformed URL will not heal with retries.
 		return fmt.Errorf("parsing DATABASE_URL: %w", err)
 	}
-	poolCfg.ConnConfig.RuntimeParams["application_name"] = serviceName + "/" + a.cfg.InstanceID
-	pool, err := pgxpool.NewWithConfig(ctx, poolCfg) // lazy: connects on first use
+	var pool atomic.Pointer[pgxpool.Pool] // set below; the hook may fire while the first ping runs
+	hardenConnConfig(poolCfg.ConnConfig, serviceName+"/"+a.cfg.InstanceID, a.timeouts.dbStatement, a.timeouts.dbLock,
+		func() { purgePool(pool.Load()) })
+	created, err := pgxpool.NewWithConfig(ctx, poolCfg) // lazy: connects on first use
 	if err != nil {
 		return fmt.Errorf("creating the pool: %w", err)
 	}
-	if err := a.connectWithRetry(ctx, p, "postgres", pool.Ping); err != nil {
-		pool.Close()
+	pool.Store(created)
+	if err := a.connectWithRetry(ctx, p, "postgres", created.Ping); err != nil {
+		created.Close()
 		return err
 	}
-	a.db = pool
+	a.db = created
+	probe := &dbProbe{config: poolCfg.ConnConfig, pool: created}
 	// Close waits for acquired connections to be released, so in-flight
-	// queries finish first; the hook's deadline bounds that wait.
-	a.lc.RegisterShutdownHook("db", func(ctx context.Context) error {
-		return runBounded(ctx, func() error { pool.Close(); return nil })
-	})
-	a.health.RegisterReadinessCheck("db", true, func(ctx context.Context) checkResult {
-		return timedCheck(ctx, pool.Ping)
-	})
+	// queries finish first; a hung server holds the drain no longer than poolClose.
+	a.lc.RegisterShutdownHook("db", within(a.timeouts.poolClose, func(ctx context.Context) error {
+		probe.close()
+		return runBounded(ctx, func() error { created.Close(); return nil })
+	}))
+	a.health.RegisterReadinessCheck("db", true, probe.check)
 	return nil
+}
+
+// hardenConnConfig prepares every connection of the service for a database
+// that restarts, fails over or hangs:
+//
+//   - statement_timeout and lock_timeout bound each statement on the server,
+//     where a client's deadline does not reach;
+//   - a context that ends cuts the socket at once and sends a cancel
+//     request, so the server stops the query the client gave up on (pgx's
+//     default only cuts the socket: the server would go on scanning);
+//   - the first connection that hears the server say goodbye (57P01 on a fast
+//     restart, 57P02 after a crash) calls serverGone, which purges the pool:
+//     every other pooled connection is just as dead, and would otherwise fail
+//     one request each.
+func hardenConnConfig(cc *pgx.ConnConfig, appName string, statement, lock time.Duration, serverGone func()) {
+	cc.RuntimeParams["application_name"] = appName
+	cc.RuntimeParams["statement_timeout"] = strconv.FormatInt(statement.Milliseconds(), 10)
+	cc.RuntimeParams["lock_timeout"] = strconv.FormatInt(lock.Milliseconds(), 10)
+	cc.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler { return &cancelOnServer{conn: c} }
+	closeOnFatal := cc.OnPgError
+	cc.OnPgError = func(c *pgconn.PgConn, e *pgconn.PgError) bool {
+		if serverGoingAway(e.Code) {
+			serverGone()
+		}
+		return closeOnFatal(c, e)
+	}
+}
+
+// cancelOnServer is the pgx context handler of every connection. When a
+// query's context ends, the socket's deadline is pulled to now, so the caller
+// gets its answer within its own budget even from a hung server, and a
+// cancel request (on a connection of its own, bounded by cancelGrace) tells
+// the server to stop working on it.
+type cancelOnServer struct {
+	conn *pgconn.PgConn
+	sent chan struct{} // closed once the cancel request is done
+}
+
+func (h *cancelOnServer) HandleCancel(context.Context) {
+	h.conn.Conn().SetDeadline(time.Now())
+	h.sent = make(chan struct{})
+	go func() { // bounded by cancelGrace; pgx's own handler sends it the same way
+		defer close(h.sent)
+		ctx, cancel := context.WithTimeout(context.Background(), cancelGrace)
+		defer cancel()
+		h.conn.CancelRequest(ctx)
+	}()
+}
+
+func (h *cancelOnServer) HandleUnwatchAfterCancel() {
+	if h.conn.IsClosed() {
+		return // the usual case: the deadline broke the connection, and pgx drops it
+	}
+	// The query finished just before its deadline and the connection lives
+	// on: the cancel request must land before its next query could, or it
+	// would cancel that one (pgx's own handler waits the same way).
+	<-h.sent
+	time.Sleep(cancelGrace)
+	h.conn.Conn().SetDeadline(time.Time{})
+}
+
+// cancelGrace bounds a cancel request; a hung server never takes it.
+const cancelGrace = 100 * time.Millisecond
+
+// serverGoingAway reports SQLSTATEs with which the server ends a session that
+// did nothing wrong: an operator's or a failover's shutdown (57P01), a crash
+// of another backend (57P02), a server not accepting connections yet (57P03),
+// and class 08, connection exceptions.
+func serverGoingAway(code string) bool {
+	switch code {
+	case "57P01", "57P02", "57P03":
+		return true
+	}
+	return len(code) == 5 && code[:2] == "08"
+}
+
+// purgePool closes every idle connection and every busy one once it is
+// released; new ones are made on demand.
+func purgePool(p *pgxpool.Pool) {
+	if p != nil {
+		p.Reset()
+	}
+}
+
+// ---------------------------------------------------------------------------
+// The request path
+
+// retrySafe runs fn, the database work of one request, and runs it once more
+// when the first try failed in a way that proves nothing was applied: no byte
+// of it reached the server (pgconn.SafeToRetry), or the server answered that
+// it is going away. A lost connection purges the pool first, so the second
+// try gets a fresh one. Anything else is returned as it is; the API answers a
+// dependency's failure with 503 and Retry-After (dependencyUnavailable).
+func retrySafe(ctx context.Context, db *pgxpool.Pool, fn func(context.Context) error) error {
+	err := fn(ctx)
+	if err == nil || ctx.Err() != nil {
+		return err
+	}
+	if connectionLost(err) {
+		purgePool(db)
+	}
+	if !notApplied(err) {
+		return err
+	}
+	return fn(ctx)
+}
+
+// notApplied reports an error after which the work provably did not happen.
+func notApplied(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return serverGoingAway(pgErr.Code)
+	}
+	return pgconn.SafeToRetry(err)
+}
+
+// connectionLost reports an error that says the connection, not the
+// statement, failed: the server went away, or the socket broke.
+func connectionLost(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return serverGoingAway(pgErr.Code)
+	}
+	var connectErr *pgconn.ConnectError
+	return errors.As(err, &connectErr) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, net.ErrClosed) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) ||
+		errors.Is(err, syscall.ECONNREFUSED)
+}
+
+// ---------------------------------------------------------------------------
+// Readiness
+
+// dbProbe is the readiness check of the database, on a connection of its own:
+// a pool emptied by slow queries must not take the instance out of the load
+// balancer while the database is fine, and a probe must not wait behind
+// them. A restart this connection hears purges the pool too (the OnPgError
+// hook), so readiness says 200 again only once the pool can serve. Its
+// detail shows the pool's own state. The readiness cache runs one probe at a
+// time; the mutex only orders it against close.
+type dbProbe struct {
+	config *pgx.ConnConfig
+	pool   *pgxpool.Pool
+
+	mu   sync.Mutex
+	conn *pgx.Conn
+}
+
+func (p *dbProbe) check(ctx context.Context) checkResult {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	stat := p.pool.Stat()
+	detail := map[string]any{"poolConns": stat.TotalConns(), "poolInUse": stat.AcquiredConns(), "poolMax": stat.MaxConns()}
+	start := time.Now()
+	err := p.ping(ctx)
+	detail["latencyMs"] = time.Since(start).Milliseconds()
+	if err != nil {
+		return failedResult(err, detail)
+	}
+	return okResult(detail)
+}
+
+// ping pings on the probe's connection, connecting first when there is none;
+// a connection that failed is dropped, the next probe connects afresh.
+func (p *dbProbe) ping(ctx context.Context) error {
+	if p.conn == nil {
+		conn, err := pgx.ConnectConfig(ctx, p.config)
+		if err != nil {
+			return fmt.Errorf("connecting the readiness probe: %w", err)
+		}
+		p.conn = conn
+	}
+	if err := p.conn.Ping(ctx); err != nil {
+		p.dropConn()
+		return fmt.Errorf("pinging the database: %w", err)
+	}
+	return nil
+}
+
+func (p *dbProbe) close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.dropConn()
+}
+
+// dropConn closes the probe's connection; p.mu is held. The goodbye to the
+// server is not waited for longer than cancelGrace: a hung one never reads it.
+func (p *dbProbe) dropConn() {
+	if p.conn == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), cancelGrace)
+	defer cancel()
+	p.conn.Close(ctx)
+	p.conn = nil
 }

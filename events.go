@@ -73,14 +73,15 @@ func (b *eventBus) deliver(ctx context.Context, ev event, fn func(context.Contex
 // recordStateChanges is the demo's reaction to lifecycle.state.changed: an
 // outbox event, so the SSE clients of every instance watch this one become
 // ready and start draining. Stopped is not recorded: the pool is closed then.
-// A state change must never hang on the database, hence the short timeout.
-func recordStateChanges(db *pgxpool.Pool, log *logrus.Entry) func(context.Context, event) {
+// A state change must never hang on the database: it waits at most timeout
+// (a request's budget).
+func recordStateChanges(db *pgxpool.Pool, timeout time.Duration, log *logrus.Entry) func(context.Context, event) {
 	return func(ctx context.Context, ev event) {
 		sc, ok := ev.Payload.(stateChanged)
 		if !ok || sc.To == StateStopped.String() {
 			return
 		}
-		ctx, cancel := context.WithTimeout(ctx, time.Second)
+		ctx, cancel := context.WithTimeout(ctx, timeout)
 		defer cancel()
 		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 			_, err := writeOutboxEvent(ctx, tx, "instance", sc.InstanceID, eventInstanceStateChanged, sc)

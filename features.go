@@ -64,11 +64,11 @@ func (a *app) registerFeatures() []feature {
 			crons:         []cronSchedule{{job: jobReport, spec: a.cfg.Jobs.ReportCron}},
 			routes: []route{
 				{method: http.MethodPost, path: "/api/orders", handler: func() echo.HandlerFunc {
-					return handleCreateOrder(a.db, a.redis, a.metrics, a.log.WithField("component", "orders"))
+					return handleCreateOrder(a.db, a.redis, a.timeouts, a.metrics, a.log.WithField("component", "orders"))
 				}},
-				{method: http.MethodGet, path: "/api/orders/:id", handler: func() echo.HandlerFunc { return handleGetOrder(a.db) }},
+				{method: http.MethodGet, path: "/api/orders/:id", handler: func() echo.HandlerFunc { return handleGetOrder(a.db, a.timeouts) }},
 				{method: http.MethodGet, path: "/api/orders", handler: func() echo.HandlerFunc {
-					return handleListOrders(a.db, a.search, a.log.WithField("component", "orders"))
+					return handleListOrders(a.db, a.search, a.timeouts, a.log.WithField("component", "orders"))
 				}},
 			},
 		},
@@ -84,7 +84,7 @@ func (a *app) registerFeatures() []feature {
 			name: "dashboard",
 			routes: []route{
 				{method: http.MethodGet, path: "/api/instance", handler: func() echo.HandlerFunc {
-					return handleInstance(a.lc, a.redis, a.cfg.InstanceID)
+					return handleInstance(a.lc, a.redis, a.cfg.InstanceID, a.timeouts.request)
 				}},
 			},
 		},

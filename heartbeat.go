@@ -26,6 +26,7 @@ type heartbeats struct {
 	rdb        *redis.Client
 	instanceID string
 	ttl        time.Duration
+	timeout    time.Duration // one beat: a hung Redis costs a worker's loop this much
 	metrics    *metrics
 	health     *readiness
 
@@ -41,8 +42,8 @@ type heartbeat struct {
 	last   atomic.Int64 // unix nanoseconds of the last successful beat; 0 = never
 }
 
-func newHeartbeats(rdb *redis.Client, instanceID string, ttl time.Duration, m *metrics, rd *readiness) *heartbeats {
-	hs := &heartbeats{rdb: rdb, instanceID: instanceID, ttl: ttl, metrics: m, health: rd}
+func newHeartbeats(rdb *redis.Client, instanceID string, ttl, timeout time.Duration, m *metrics, rd *readiness) *heartbeats {
+	hs := &heartbeats{rdb: rdb, instanceID: instanceID, ttl: ttl, timeout: timeout, metrics: m, health: rd}
 	m.registry.MustRegister(heartbeatAgeCollector{hs})
 	return hs
 }
@@ -92,18 +93,20 @@ func (b *beatLoop) run(ctx context.Context) {
 			return
 		case <-tick.C:
 		}
-		bctx, cancel := context.WithTimeout(ctx, b.interval)
-		if err := b.beat.beat(bctx); err != nil && ctx.Err() == nil {
+		if err := b.beat.beat(ctx); err != nil && ctx.Err() == nil {
 			b.log.WithError(err).Warn("heartbeat")
 		}
-		cancel()
 	}
 }
 
 // beat writes the key with the TTL; the value is the unix time of the beat.
 // SET with an expiry is SETEX with millisecond precision (PX), so tests can run
 // with sub-second TTLs.
+// A beat waits for Redis at most the owner's timeout, so a hung Redis stalls
+// no worker loop (and no stop waiting for one) for longer.
 func (h *heartbeat) beat(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, h.owner.timeout)
+	defer cancel()
 	now := time.Now()
 	err := h.owner.rdb.Set(ctx, h.key, now.Unix(), h.owner.ttl).Err()
 	if err != nil {

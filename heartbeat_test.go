@@ -21,7 +21,7 @@ func TestHeartbeatLifecycle(t *testing.T) {
 	lc := readyLifecycle(t)
 	m := newMetrics()
 	rd := newReadiness(lc, m, time.Second, 0) // no caching: every report probes
-	hs := newHeartbeats(rdb, "inst-1", 300*time.Millisecond, m, rd)
+	hs := newHeartbeats(rdb, "inst-1", 300*time.Millisecond, time.Second, m, rd)
 	hb := hs.RegisterHeartbeat("outbox", "outboxPoller")
 
 	if rep, ok := rd.report(ctx); ok || rep.Checks["outboxPoller"].OK {

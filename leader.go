@@ -69,21 +69,39 @@ type elector struct {
 	ttl, renew time.Duration
 	lead       func(ctx context.Context, token int64) error
 	fence      func(ctx context.Context) (int64, error) // the token the database holds now
+	call       time.Duration                            // one Redis or database call of the election
+	release    time.Duration                            // the release of the lock on shutdown
 	log        *logrus.Entry
 	metrics    *metrics
 
 	mu          sync.Mutex
+	releaseErr  error // the shutdown's release failed: the lock expires by itself
 	leading     bool
 	fenced      bool      // fenced and not yet leading again with a valid token
 	lastFenced  time.Time // for the readiness body
 	fencedTotal int
 }
 
-func newElector(rdb *redis.Client, instanceID string, ttl, renew time.Duration, lead func(context.Context, int64) error,
+func newElector(rdb *redis.Client, instanceID string, ttl, renew time.Duration, t timeouts, lead func(context.Context, int64) error,
 	fence func(context.Context) (int64, error), log *logrus.Logger, m *metrics, onPanic func(string, any)) *elector {
 	return &elector{startStop: newStartStop("leader", stopSoft, onPanic),
 		rdb: rdb, instanceID: instanceID, ttl: ttl, renew: renew, lead: lead, fence: fence,
+		call: t.backgroundCall, release: t.redisRelease,
 		log: log.WithField("component", "leader"), metrics: m}
+}
+
+// Stop ends leadership and waits (startStop); a lock it could not release is
+// a best-effort failure: followers take over when it expires.
+func (e *elector) Stop(ctx context.Context) error {
+	if err := e.startStop.Stop(ctx); err != nil {
+		return err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.releaseErr != nil {
+		return &bestEffortError{err: e.releaseErr}
+	}
+	return nil
 }
 
 // Start checks Redis synchronously, then starts the election loop.
@@ -114,6 +132,11 @@ func (e *elector) run(ctx context.Context) {
 			e.serve(ctx, stopping, token, value)
 		}
 		select {
+		case <-stopping: // first: a tick that is also due must not start another acquisition
+			return
+		default:
+		}
+		select {
 		case <-stopping:
 			return
 		case <-wake:
@@ -124,8 +147,11 @@ func (e *elector) run(ctx context.Context) {
 
 // acquire tries to take the lock. The fencing token is drawn first, above
 // the fence the database holds, so every acquisition carries a larger token
-// than any leader before it, even after Redis lost its counter.
+// than any leader before it, even after Redis lost its counter. Each call is
+// bounded by e.call: a hung dependency delays a stop by no more.
 func (e *elector) acquire(ctx context.Context) (token int64, value string, ok bool) {
+	ctx, cancel := context.WithTimeout(ctx, e.call)
+	defer cancel()
 	floor, err := e.fence(ctx)
 	if err != nil {
 		// Without the fence a token may be stale; the scheduler cannot work
@@ -147,6 +173,11 @@ func (e *elector) acquire(ctx context.Context) (token int64, value string, ok bo
 	switch {
 	case err != nil:
 		e.log.WithError(err).Warn("trying the leader lock")
+		// A SETNX that timed out may still have been applied: this instance
+		// would hold a lock it does not know of. Only its own value is deleted.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.release)
+		defer cancel()
+		releaseScript.Run(rctx, e.rdb, []string{leaderKey}, value)
 	case !ok:
 		e.setFenced(false) // another instance leads; nothing to fix here
 	}
@@ -207,7 +238,16 @@ func (e *elector) serve(ctx context.Context, stopping <-chan struct{}, token int
 				break
 			}
 			sent := time.Now()
-			n, err := renewScript.Run(ctx, e.rdb, []string{leaderKey}, value, e.ttl.Milliseconds()).Int()
+			// Bounded by the step-down deadline, so a renewal in flight can
+			// never keep this instance leading past it, and by one call's
+			// time, so it cannot hold a stop back either.
+			until := sent.Add(e.call)
+			if deadline.Before(until) {
+				until = deadline
+			}
+			rctx, cancel := context.WithDeadline(ctx, until)
+			n, err := renewScript.Run(rctx, e.rdb, []string{leaderKey}, value, e.ttl.Milliseconds()).Int()
+			cancel()
 			switch {
 			case err != nil:
 				log.WithError(err).Warn("renewing the leader lock")
@@ -228,10 +268,16 @@ func (e *elector) serve(ctx context.Context, stopping <-chan struct{}, token int
 	// After a shutdown or a fence the lock is released at once, so the next
 	// leader (this instance again, after a fence) need not wait for the TTL.
 	if reason == "shutdown" || reason == "fenced" {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.renew)
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.release)
 		defer cancel()
-		if n, err := releaseScript.Run(rctx, e.rdb, []string{leaderKey}, value).Int(); err == nil && n == 1 {
-			e.rdb.Publish(rctx, leaderReleased, e.instanceID)
+		n, err := releaseScript.Run(rctx, e.rdb, []string{leaderKey}, value).Int()
+		if err == nil && n == 1 {
+			err = e.rdb.Publish(rctx, leaderReleased, e.instanceID).Err()
+		}
+		if err != nil && reason == "shutdown" {
+			e.mu.Lock()
+			e.releaseErr = fmt.Errorf("releasing the leader lock: %w", err)
+			e.mu.Unlock()
 		}
 	}
 }

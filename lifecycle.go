@@ -256,6 +256,35 @@ func runBounded(ctx context.Context, fn func() error) error {
 	}
 }
 
+// bestEffortError is the failure of a cleanup whose leftovers expire by
+// themselves (a heartbeat key, the leader lock, the dashboard record): its
+// step is logged as failed, but it does not turn the exit code to 1 — the
+// work itself was finished.
+type bestEffortError struct{ err error }
+
+func (e *bestEffortError) Error() string { return "best-effort cleanup failed: " + e.err.Error() }
+func (e *bestEffortError) Unwrap() error { return e.err }
+
+// bestEffort makes fn's failure a bestEffortError.
+func bestEffort(fn func(context.Context) error) func(context.Context) error {
+	return func(ctx context.Context) error {
+		if err := fn(ctx); err != nil {
+			return &bestEffortError{err: err}
+		}
+		return nil
+	}
+}
+
+// within bounds a release hook to d on its own, whatever its slice of the
+// shutdown budget: a hung dependency costs the drain d, not the budget.
+func within(d time.Duration, fn func(context.Context) error) func(context.Context) error {
+	return func(ctx context.Context) error {
+		ctx, cancel := context.WithTimeout(ctx, d)
+		defer cancel()
+		return fn(ctx)
+	}
+}
+
 func (lc *Lifecycle) record(rec phaseRecord, err error) {
 	lc.mu.Lock()
 	lc.timeline = append(lc.timeline, rec)
@@ -391,7 +420,9 @@ func (lc *Lifecycle) runShutdownHooks(ctx context.Context, reserve time.Duration
 		cancel()
 		if err != nil {
 			err = fmt.Errorf("shutdown hook %s: %w", hook.name, err)
-			errs = append(errs, err)
+			if !errors.As(err, new(*bestEffortError)) {
+				errs = append(errs, err)
+			}
 		}
 		step(hook.name, time.Since(start), err)
 	}

@@ -190,13 +190,22 @@ func TestValidateFeaturesListsEveryProblem(t *testing.T) {
 	}
 }
 
-// Every lifecycle deadline comes from the config through lifecycleTimeouts:
-// River's soft stop gets half of what the release hooks are sure to have, and
-// a connect attempt never outlasts its window.
-func TestLifecycleTimeoutsAreDerivedFromTheConfig(t *testing.T) {
-	l := defaultConfig().Lifecycle
+// Every deadline comes from the config through newTimeouts: River's soft
+// stop gets half of what the release hooks are sure to have, a connect
+// attempt never outlasts its window, and a request's dependency calls share
+// one budget of which the idempotency marker gets a quarter.
+func TestTimeoutsAreDerivedFromTheConfig(t *testing.T) {
+	c := defaultConfig()
+	l := &c.Lifecycle
 	l.ShutdownTimeout, l.Linger, l.DrainTimeout, l.ConnectMaxWait = 40*time.Second, 3*time.Second, 30*time.Second, 2*time.Second
-	got := lifecycleTimeouts(l)
+	c.HTTP.DependencyTimeout, c.DB.StatementTimeout, c.DB.LockTimeout = 400*time.Millisecond, 7*time.Second, 3*time.Second
+	got := newTimeouts(c)
+	if got.request != 400*time.Millisecond || got.marker != 100*time.Millisecond {
+		t.Errorf("request, marker = %s, %s; want 400ms and a quarter of it", got.request, got.marker)
+	}
+	if got.dbStatement != 7*time.Second || got.dbLock != 3*time.Second {
+		t.Errorf("dbStatement, dbLock = %s, %s; want the configured 7s and 3s", got.dbStatement, got.dbLock)
+	}
 	if got.jobsSoftStop != 3500*time.Millisecond {
 		t.Errorf("jobsSoftStop = %s, want (40s − 3s − 30s) / 2 = 3.5s", got.jobsSoftStop)
 	}
@@ -205,6 +214,6 @@ func TestLifecycleTimeoutsAreDerivedFromTheConfig(t *testing.T) {
 	}
 	if got.shutdown != l.ShutdownTimeout || got.drain != l.DrainTimeout || got.linger != l.Linger ||
 		got.boot != l.StartupTimeout || got.phase != l.PhaseTimeout || got.connect != l.ConnectMaxWait {
-		t.Errorf("lifecycleTimeouts(%+v) = %+v: a configured deadline was not passed through", l, got)
+		t.Errorf("newTimeouts(%+v) = %+v: a configured deadline was not passed through", l, got)
 	}
 }

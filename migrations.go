@@ -2,11 +2,14 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"embed"
 	"errors"
 	"fmt"
 	"io/fs"
 	"slices"
+	"strconv"
+	"time"
 
 	"github.com/golang-migrate/migrate/v4"
 	"github.com/golang-migrate/migrate/v4/database"
@@ -29,16 +32,23 @@ const (
 	migrationsWarnOnPending = "warn-on-pending"
 )
 
-// migrator wraps golang-migrate over the process's pool. golang-migrate holds a
-// Postgres advisory lock while it works, so two instances that auto-apply at
-// the same moment serialise: the second finds nothing left to do.
+// migrator wraps golang-migrate. golang-migrate holds a Postgres advisory
+// lock while it works, so two instances that auto-apply at the same moment
+// serialise: the second finds nothing left to do.
 type migrator struct {
 	m        *migrate.Migrate
 	driver   database.Driver
+	conns    *sql.DB
 	versions []uint // every version the binary ships, ascending
 }
 
-func newMigrator(pool *pgxpool.Pool) (*migrator, error) {
+// newMigrator opens the migrator on connections of its own, made like the
+// pool's but not taken from it: golang-migrate waits for its advisory lock
+// with no context to cancel, and a boot aborted during that wait must not
+// leave the pool's Close waiting for the connection. On these connections
+// lock_timeout bounds that wait, and statement_timeout every migration, to
+// wait (the phase timeout).
+func newMigrator(pool *pgxpool.Pool, wait time.Duration) (*migrator, error) {
 	src, err := iofs.New(migrationFiles, "migrations")
 	if err != nil {
 		return nil, fmt.Errorf("reading the embedded migrations: %w", err)
@@ -47,15 +57,22 @@ func newMigrator(pool *pgxpool.Pool) (*migrator, error) {
 	if err != nil {
 		return nil, err
 	}
-	driver, err := pgxmigrate.WithInstance(stdlib.OpenDBFromPool(pool), &pgxmigrate.Config{})
+	cc := pool.Config().ConnConfig // a copy
+	ms := strconv.FormatInt(wait.Milliseconds(), 10)
+	cc.RuntimeParams["lock_timeout"], cc.RuntimeParams["statement_timeout"] = ms, ms
+	conns := stdlib.OpenDB(*cc)
+	driver, err := pgxmigrate.WithInstance(conns, &pgxmigrate.Config{})
 	if err != nil {
+		conns.Close()
 		return nil, fmt.Errorf("preparing the migrations table: %w", err)
 	}
 	m, err := migrate.NewWithInstance("iofs", src, "pgx5", driver)
 	if err != nil {
+		driver.Close()
+		conns.Close()
 		return nil, fmt.Errorf("creating the migrator: %w", err)
 	}
-	return &migrator{m: m, driver: driver, versions: versions}, nil
+	return &migrator{m: m, driver: driver, conns: conns, versions: versions}, nil
 }
 
 // embeddedVersions lists the versions of the *.up.sql files in the binary.
@@ -76,10 +93,10 @@ func embeddedVersions() ([]uint, error) {
 	return versions, nil
 }
 
-// Close releases the migrator's dedicated connection (the pool stays open).
+// Close releases the migrator's connections (the pool stays open).
 func (mg *migrator) Close() error {
 	srcErr, dbErr := mg.m.Close()
-	return errors.Join(srcErr, dbErr)
+	return errors.Join(srcErr, dbErr, mg.conns.Close())
 }
 
 // schemaStatus is where the database is relative to the binary.
@@ -170,7 +187,7 @@ func (a *app) schemaBaseline(ctx context.Context, p *phaseRun) error {
 	if baseline == 0 {
 		return skipPhase("KUMIKO_SCHEMA_BASELINE is not set")
 	}
-	mg, err := newMigrator(a.db)
+	mg, err := newMigrator(a.db, a.timeouts.phase)
 	if err != nil {
 		return err
 	}
@@ -199,7 +216,7 @@ func dirtySchema(version uint) error {
 // migrationsCheck is phase 9: it applies or reports pending migrations per KUMIKO_MIGRATIONS_MODE.
 func (a *app) migrationsCheck(ctx context.Context, p *phaseRun) error {
 	mode := a.cfg.Lifecycle.Migrations.Mode
-	mg, err := newMigrator(a.db)
+	mg, err := newMigrator(a.db, a.timeouts.phase)
 	if err != nil {
 		return err
 	}

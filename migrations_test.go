@@ -93,7 +93,7 @@ func TestSchemaBaseline(t *testing.T) {
 	if err := migrationApp(t, pool, migrationsAutoApply, 1).schemaBaseline(ctx, p); err != nil {
 		t.Fatalf("fresh database must be left to phase 9: %v", err)
 	}
-	mg, err := newMigrator(pool)
+	mg, err := newMigrator(pool, time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -124,11 +124,17 @@ func decodeOrder(c echo.Context) (newOrder, error) {
 	if mt, _, err := mime.ParseMediaType(c.Request().Header.Get(echo.HeaderContentType)); err != nil || mt != echo.MIMEApplicationJSON {
 		return o, apiError(http.StatusUnsupportedMediaType, "unsupported_media_type", "send the order as application/json")
 	}
+	// A declared length over the limit is refused before the body is read:
+	// reading is what makes net/http answer "100 Continue", inviting a body
+	// that would only be thrown away. A chunked body is cut at the limit.
+	if c.Request().ContentLength > maxOrderBody {
+		return o, errBodyTooLarge
+	}
 	raw, err := io.ReadAll(http.MaxBytesReader(c.Response(), c.Request().Body, maxOrderBody))
 	var tooBig *http.MaxBytesError
 	switch {
 	case errors.As(err, &tooBig):
-		return o, apiError(http.StatusRequestEntityTooLarge, "payload_too_large", fmt.Sprintf("the body must be at most %d bytes", maxOrderBody))
+		return o, errBodyTooLarge
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		return o, apiError(http.StatusRequestTimeout, "request_timeout", "the body did not arrive in time")
 	case err != nil:
@@ -155,17 +161,25 @@ func decodeOrder(c echo.Context) (newOrder, error) {
 // handleCreateOrder is POST /api/orders. The order row and its order.created
 // event are written in one transaction. With an Idempotency-Key, the unique
 // column is the truth (it survives a crash that loses the Redis marker); the
-// marker turns a concurrent duplicate into a 409 instead of a race.
-func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, m *metrics, log *logrus.Entry) echo.HandlerFunc {
+// marker turns a concurrent duplicate into a 409 instead of a race. Every
+// dependency call shares the request's budget (t.request): a hung database
+// is a 503 within it, and a Redis that does not answer within t.marker gives
+// way to the unique column.
+func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, t timeouts, m *metrics, log *logrus.Entry) echo.HandlerFunc {
 	return func(c echo.Context) error {
 		req, err := decodeOrder(c)
 		if err != nil {
 			return err
 		}
-		ctx := c.Request().Context()
+		ctx, cancel := context.WithTimeout(c.Request().Context(), t.request)
+		defer cancel()
 		key := c.Request().Header.Get("Idempotency-Key")
 		if key == "" {
-			o, err := createOrder(ctx, db, req, "", "")
+			var o order
+			err := retrySafe(ctx, db, func(ctx context.Context) (err error) {
+				o, err = createOrder(ctx, db, req, "", "")
+				return err
+			})
 			if err != nil {
 				return err
 			}
@@ -176,9 +190,16 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, m *metrics, log *log
 			return apiError(http.StatusBadRequest, "invalid_idempotency_key", fmt.Sprintf("Idempotency-Key must be 1 to %d printable ASCII characters", maxIdempotencyKey))
 		}
 		hash := req.fingerprint()
+		byKey := func() (o order, err error) {
+			err = retrySafe(ctx, db, func(ctx context.Context) (err error) {
+				o, err = orderByKey(ctx, db, key, hash)
+				return err
+			})
+			return o, err
+		}
 
 		// Done before? Answer exactly as the first time.
-		if o, err := orderByKey(ctx, db, key, hash); err == nil {
+		if o, err := byKey(); err == nil {
 			return replay(c, m, o)
 		} else if !errors.Is(err, pgx.ErrNoRows) {
 			return err
@@ -188,31 +209,38 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, m *metrics, log *log
 		// only this request can release it (see releaseMarker).
 		marker := "idempotency:" + key
 		token := rand.Text()
-		acquired, err := rdb.SetNX(ctx, marker, token, idempotencyMarkerTTL).Result()
+		mctx, cancelMarker := context.WithTimeout(ctx, t.marker)
+		acquired, err := rdb.SetNX(mctx, marker, token, idempotencyMarkerTTL).Result()
+		cancelMarker()
 		switch {
-		case err != nil:
-			// Without Redis the unique column still prevents a second order;
-			// a concurrent duplicate is then answered with the first order.
-			log.WithError(err).Warn("idempotency marker unavailable, relying on the unique key")
-		case !acquired:
-			if o, err := orderByKey(ctx, db, key, hash); err == nil {
+		case err == nil && !acquired:
+			if o, err := byKey(); err == nil {
 				return replay(c, m, o) // it finished in the meantime
 			}
 			m.ordersCreated.WithLabelValues("conflict").Inc()
 			return apiError(http.StatusConflict, "request_in_progress", "a request with this Idempotency-Key is still in progress; retry later")
-		default:
-			defer func() {
-				rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), markerReleaseTimeout)
-				defer cancel()
-				if err := releaseMarker(rctx, rdb, marker, token); err != nil {
-					log.WithError(err).Warn("releasing the idempotency marker; it expires by itself")
-				}
-			}()
+		case err != nil:
+			// Without Redis the unique column still prevents a second order;
+			// a concurrent duplicate is then answered with the first order.
+			log.WithError(err).Warn("idempotency marker unavailable, relying on the unique key")
 		}
+		// Released also after an error: a SETNX that timed out may still have
+		// been applied, and only this request's token is deleted.
+		defer func() {
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.marker)
+			defer cancel()
+			if err := releaseMarker(rctx, rdb, marker, token); err != nil {
+				log.WithError(err).Debug("releasing the idempotency marker; it expires by itself")
+			}
+		}()
 
-		o, err := createOrder(ctx, db, req, key, hash)
+		var o order
+		err = retrySafe(ctx, db, func(ctx context.Context) (err error) {
+			o, err = createOrder(ctx, db, req, key, hash)
+			return err
+		})
 		if isUniqueViolation(err) {
-			o, err = orderByKey(ctx, db, key, hash)
+			o, err = byKey()
 			if err == nil {
 				return replay(c, m, o)
 			}
@@ -224,10 +252,6 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, m *metrics, log *log
 		return c.JSON(http.StatusCreated, o)
 	}
 }
-
-// markerReleaseTimeout bounds the release: a Redis that does not answer must
-// not hold the response; the marker's TTL cleans up instead.
-const markerReleaseTimeout = time.Second
 
 // compareAndDelete deletes KEYS[1] only while it still holds ARGV[1]. A plain
 // DEL would let a first request that outlived its marker's TTL delete the
@@ -250,6 +274,9 @@ func replay(c echo.Context, m *metrics, o order) error {
 	c.Response().Header().Set("Idempotent-Replayed", "true")
 	return c.JSON(http.StatusCreated, o)
 }
+
+// errBodyTooLarge answers an order body over maxOrderBody.
+var errBodyTooLarge = apiError(http.StatusRequestEntityTooLarge, "payload_too_large", fmt.Sprintf("the body must be at most %d bytes", maxOrderBody))
 
 // errKeyReused is answered when an Idempotency-Key comes back with another body.
 var errKeyReused = apiError(http.StatusUnprocessableEntity, "idempotency_key_reused",
@@ -353,13 +380,19 @@ func scanOrder(row pgx.Row, extra ...any) (order, error) {
 // handleGetOrder is GET /api/orders/:id, by the order's opaque public id.
 // It answers the whole order to anyone who has the id: the demo has no
 // customer accounts, and the id cannot be guessed from another one.
-func handleGetOrder(db *pgxpool.Pool) echo.HandlerFunc {
+func handleGetOrder(db *pgxpool.Pool, t timeouts) echo.HandlerFunc {
 	return func(c echo.Context) error {
 		id, err := uuid.Parse(c.Param("id"))
 		if err != nil {
 			return apiError(http.StatusBadRequest, "invalid_id", "the order id must be a UUID")
 		}
-		o, err := scanOrder(db.QueryRow(c.Request().Context(), `SELECT `+orderColumns+` FROM orders WHERE public_id = $1`, id))
+		ctx, cancel := context.WithTimeout(c.Request().Context(), t.request)
+		defer cancel()
+		var o order
+		err = retrySafe(ctx, db, func(ctx context.Context) (err error) {
+			o, err = scanOrder(db.QueryRow(ctx, `SELECT `+orderColumns+` FROM orders WHERE public_id = $1`, id))
+			return err
+		})
 		if errors.Is(err, pgx.ErrNoRows) {
 			return apiError(http.StatusNotFound, "not_found", "no order "+id.String())
 		}
@@ -373,23 +406,43 @@ func handleGetOrder(db *pgxpool.Pool) echo.HandlerFunc {
 // searchTimeout bounds the Meilisearch query: past it, SQL answers instead.
 const searchTimeout = 500 * time.Millisecond
 
+// searchPoolShare: searches, which may scan, hold at most this share of the
+// pool's connections at once (at least one), so any client can search but
+// no client can starve the order path and the workers of connections.
+const searchPoolShare = 4
+
 // handleListOrders is GET /api/orders?q=: up to 50 orders whose customer or
 // SKUs match q, from Meilisearch when it answers, else the newest 50 whose
 // customer contains q, from SQL. X-Search-Source says which answered. The
 // index is filled by the order-indexing job; without q, SQL lists the newest.
-func handleListOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, log *logrus.Entry) echo.HandlerFunc {
+// At most a share of the pool searches at once; a search that finds no slot
+// within the request's budget is answered 503 with Retry-After.
+func handleListOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, t timeouts, log *logrus.Entry) echo.HandlerFunc {
+	slots := make(chan struct{}, max(1, int(db.Config().MaxConns)/searchPoolShare))
 	return func(c echo.Context) error {
-		ctx := c.Request().Context()
 		q := c.QueryParam("q")
 		if utf8.RuneCountInString(q) > 200 {
 			return apiError(http.StatusBadRequest, "invalid_query", "q must be at most 200 characters")
 		}
+		ctx, cancel := context.WithTimeout(c.Request().Context(), t.request)
+		defer cancel()
+		select {
+		case slots <- struct{}{}:
+			defer func() { <-slots }()
+		case <-ctx.Done():
+			c.Response().Header().Set("Retry-After", "1")
+			return apiError(http.StatusServiceUnavailable, "busy", "too many searches right now; retry shortly")
+		}
 		if search != nil && q != "" {
-			sctx, cancel := context.WithTimeout(ctx, searchTimeout)
+			sctx, cancel := context.WithTimeout(ctx, min(searchTimeout, t.request/2)) // SQL gets the rest
 			ids, err := searchOrderIDs(sctx, search, q, 50)
 			cancel()
 			if err == nil {
-				orders, err := ordersByID(ctx, db, ids)
+				var orders []order
+				err := retrySafe(ctx, db, func(ctx context.Context) (err error) {
+					orders, err = ordersByID(ctx, db, ids)
+					return err
+				})
 				if err != nil {
 					return err
 				}
@@ -398,9 +451,13 @@ func handleListOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, log *
 			}
 			log.WithError(err).Warn("search unavailable, answering from SQL")
 		}
-		orders, err := collectOrders(db.Query(ctx, `SELECT `+orderColumns+` FROM orders
-			WHERE $1 = '' OR strpos(lower(customer), lower($1)) > 0
-			ORDER BY id DESC LIMIT 50`, q))
+		var orders []order
+		err := retrySafe(ctx, db, func(ctx context.Context) (err error) {
+			orders, err = collectOrders(db.Query(ctx, `SELECT `+orderColumns+` FROM orders
+				WHERE $1 = '' OR strpos(lower(customer), lower($1)) > 0
+				ORDER BY id DESC LIMIT 50`, q))
+			return err
+		})
 		if err != nil {
 			return fmt.Errorf("listing orders: %w", err)
 		}

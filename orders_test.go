@@ -288,7 +288,7 @@ func TestOrderOpaqueIDsAndOldRows(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	mg, err := newMigrator(pool)
+	mg, err := newMigrator(pool, time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}

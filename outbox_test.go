@@ -28,7 +28,7 @@ type outboxFixture struct {
 func newOutboxFixture(t testing.TB) *outboxFixture {
 	t.Helper()
 	db := testPool(t)
-	mg, err := newMigrator(db)
+	mg, err := newMigrator(db, time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -50,7 +50,7 @@ func (f *outboxFixture) poller(t testing.TB, name string) *outboxPoller {
 	t.Helper()
 	m := newMetrics()
 	rd := newReadiness(readyLifecycle(t), m, time.Second, time.Millisecond)
-	beat := newHeartbeats(f.rdb, name, 10*time.Second, m, rd).RegisterHeartbeat("outbox", "outboxPoller")
+	beat := newHeartbeats(f.rdb, name, 10*time.Second, time.Second, m, rd).RegisterHeartbeat("outbox", "outboxPoller")
 	p := newOutboxPoller(f.db, f.rdb, f.cfg, beat, time.Second, f.alsoInTx, newLogger(io.Discard, "json"), m,
 		func(_ string, r any) { t.Errorf("poller panicked: %v", r) })
 	t.Cleanup(func() { p.Stop(context.Background()) })

@@ -40,11 +40,13 @@ func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
 	if err := a.status.Start(ctx); err != nil {
 		return err
 	}
-	a.lc.RegisterShutdownHook("clusterStatus", a.status.Stop)
+	// Both cleanups are best effort, each bounded on its own: the record and
+	// the heartbeat keys expire by themselves when Redis does not answer.
+	a.lc.RegisterShutdownHook("clusterStatus", bestEffort(within(a.timeouts.redisRelease, a.status.Stop)))
 	// Heartbeat keys live in Redis. Their hook is registered after the client's,
 	// so LIFO deletes them after the workers stop and before the client closes.
-	a.heartbeats = newHeartbeats(client, a.cfg.InstanceID, a.cfg.Lifecycle.Heartbeat.TTL, a.metrics, a.health)
-	a.lc.RegisterShutdownHook("heartbeats", a.heartbeats.clear)
+	a.heartbeats = newHeartbeats(client, a.cfg.InstanceID, a.cfg.Lifecycle.Heartbeat.TTL, a.timeouts.backgroundCall, a.metrics, a.health)
+	a.lc.RegisterShutdownHook("heartbeats", bestEffort(within(a.timeouts.redisRelease, a.heartbeats.clear)))
 	return nil
 }
 

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivermigrate"
@@ -74,7 +75,7 @@ func TestRiverMigrationsAreRiversOwn(t *testing.T) {
 // After our migrations, River's own migrator finds nothing left to do.
 func TestRiverAgreesItsSchemaIsCurrent(t *testing.T) {
 	pool := testPool(t)
-	mg, err := newMigrator(pool)
+	mg, err := newMigrator(pool, time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -375,7 +375,11 @@ func initAndStartPostgres(binDir, baseDir string, cred *syscall.Credential) (*pg
 	}
 	logPath := filepath.Join(baseDir, "postgres.log")
 	for attempt := 1; ; attempt++ {
-		srv, proc, err := launchPostgres(binDir, dataDir, sockDir, logPath, cred)
+		addr, err := pickFreeTCPAddr()
+		if err != nil {
+			return nil, err
+		}
+		srv, proc, err := launchPostgres(binDir, dataDir, sockDir, logPath, addr, cred)
 		if err == nil {
 			srv.baseDir = baseDir
 			return srv, nil
@@ -390,11 +394,7 @@ func initAndStartPostgres(binDir, baseDir string, cred *syscall.Credential) (*pg
 // pg_ctl daemonises it, which would make it outlive a killed test binary,
 // whereas our own child gets Pdeathsig. Postgres backends notice their
 // postmaster's death and exit by themselves.
-func launchPostgres(binDir, dataDir, sockDir, logPath string, cred *syscall.Credential) (*pgServer, *childProcess, error) {
-	addr, err := pickFreeTCPAddr()
-	if err != nil {
-		return nil, nil, err
-	}
+func launchPostgres(binDir, dataDir, sockDir, logPath, addr string, cred *syscall.Credential) (*pgServer, *childProcess, error) {
 	_, port, _ := net.SplitHostPort(addr)
 	cmd := exec.Command(filepath.Join(binDir, "postgres"), "-D", dataDir,
 		"-p", port, "-k", sockDir,
@@ -841,10 +841,15 @@ func (s *testS3Server) ready(ctx context.Context) error {
 	return err
 }
 
-// findVersitygw looks on PATH, then in the Go bin directories where
-// "go install" puts it.
+// findVersitygw finds the S3 server of the storage tests.
 func findVersitygw() (string, error) {
-	if p, err := exec.LookPath("versitygw"); err == nil {
+	return findGoTool("versitygw", "versitygw binary (S3 server)", "go install github.com/versity/versitygw/cmd/versitygw@v1.8.0")
+}
+
+// findGoTool looks for a server binary on PATH, then in the Go bin
+// directories where "go install" (scripts/install-deps.sh) puts it.
+func findGoTool(name, what, install string) (string, error) {
+	if p, err := exec.LookPath(name); err == nil {
 		return p, nil
 	}
 	var dirs []string
@@ -861,14 +866,11 @@ func findVersitygw() (string, error) {
 		dirs = append(dirs, filepath.Join(p, "bin"))
 	}
 	for _, dir := range dirs {
-		if p := filepath.Join(dir, "versitygw"); isExecutable(p) {
+		if p := filepath.Join(dir, name); isExecutable(p) {
 			return p, nil
 		}
 	}
-	return "", &missingServiceError{
-		what:    "versitygw binary (S3 server)",
-		install: "go install github.com/versity/versitygw/cmd/versitygw@v1.8.0",
-	}
+	return "", &missingServiceError{what: what, install: install}
 }
 
 // Pause freezes the server (SIGSTOP): connections stay open but nothing is

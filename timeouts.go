@@ -22,6 +22,36 @@ type timeouts struct {
 	// River cancels them (they are retried, here or elsewhere). Half of what
 	// the release hooks are sure to have, so the hooks after it keep theirs.
 	jobsSoftStop time.Duration
+
+	// Each release bounded on its own, so a hung Redis or PostgreSQL costs
+	// the drain seconds, not its whole budget.
+	//
+	// redisRelease: a best-effort Redis cleanup (heartbeat keys, the leader
+	// lock, the dashboard record); what it would delete expires by itself.
+	redisRelease time.Duration
+	// batchFinish: the outbox batch in hand may commit for this long; then it
+	// rolls back and its events stay pending for the next poller.
+	batchFinish time.Duration
+	// poolClose: the pool closes its connections; a hung server gets no longer.
+	poolClose time.Duration
+
+	// Dependencies while serving.
+	//
+	// request: one API request's database and Redis calls together
+	// (KUMIKO_HTTP_DEPENDENCY_TIMEOUT), far below a client's patience: a hung
+	// dependency is a 503 with Retry-After, not a request that waits.
+	request time.Duration
+	// marker: the idempotency marker in Redis only speeds up what
+	// PostgreSQL's unique key decides, so it gives way after this share.
+	marker time.Duration
+	// backgroundCall: one call of a background loop (a heartbeat, a lock
+	// renewal, a fence read): a hung dependency costs the loop this, and a
+	// stop waits at most this for a call in flight.
+	backgroundCall time.Duration
+	// dbStatement and dbLock bound every statement on the server's side
+	// (statement_timeout, lock_timeout), where no client deadline reaches; a
+	// migration waits for the migration lock up to the phase timeout.
+	dbStatement, dbLock time.Duration
 }
 
 // abandonGrace is how long a function whose context has ended may take to
@@ -43,7 +73,8 @@ const hardStopGrace = abandonGrace / 2
 // reaches it.
 const silentConnGrace = 500 * time.Millisecond
 
-func lifecycleTimeouts(l lifecycleConfig) timeouts {
+func newTimeouts(c config) timeouts {
+	l := c.Lifecycle
 	releases := l.ShutdownTimeout - l.Linger - l.DrainTimeout // > 0: config validation says so
 	return timeouts{
 		boot:           l.StartupTimeout,
@@ -55,5 +86,13 @@ func lifecycleTimeouts(l lifecycleConfig) timeouts {
 		drain:          l.DrainTimeout,
 		hookReserve:    time.Second,
 		jobsSoftStop:   max(releases/2, abandonGrace),
+		redisRelease:   time.Second,
+		batchFinish:    2 * time.Second,
+		poolClose:      2 * time.Second,
+		request:        c.HTTP.DependencyTimeout,
+		marker:         c.HTTP.DependencyTimeout / 4,
+		backgroundCall: time.Second,
+		dbStatement:    c.DB.StatementTimeout,
+		dbLock:         c.DB.LockTimeout,
 	}
 }

@@ -2,8 +2,9 @@
 # Installs what the tests and the local demo need, when it is missing:
 # PostgreSQL and Redis servers, HAProxy, curl and Chromium for the dashboard's
 # browser test (Debian packages), versitygw,
-# a real S3 server for the storage tests, and vegeta, the load generator of
-# the rolling deploy (go install).
+# a real S3 server for the storage tests, Toxiproxy, which puts latency, black
+# holes and resets between the service and PostgreSQL/Redis in the fault
+# tests, and vegeta, the load generator of the rolling deploy (go install).
 set -euo pipefail
 
 missing=()
@@ -26,6 +27,13 @@ gobin="$(go env GOPATH)/bin"
 if ! command -v versitygw >/dev/null && [ ! -x "$gobin/versitygw" ]; then
   echo "installing versitygw (S3 server for the storage tests)" >&2
   go install github.com/versity/versitygw/cmd/versitygw@v1.8.0
+fi
+if ! command -v toxiproxy-server >/dev/null && [ ! -x "$gobin/toxiproxy-server" ]; then
+  echo "installing toxiproxy-server (fault injection in the dependency-blip tests)" >&2
+  # go install names the binary after its folder, cmd/server: it gets its real name.
+  tmp=$(mktemp -d)
+  GOBIN="$tmp" go install github.com/Shopify/toxiproxy/v2/cmd/server@v2.5.0
+  mkdir -p "$gobin" && mv "$tmp/server" "$gobin/toxiproxy-server" && rmdir "$tmp"
 fi
 if ! command -v vegeta >/dev/null && [ ! -x "$gobin/vegeta" ]; then
   echo "installing vegeta (load generator of the rolling-deploy test)" >&2

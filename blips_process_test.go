@@ -1,0 +1,512 @@
+package main
+
+// Dependency blips at the process level: a PostgreSQL that restarts or
+// hangs, a Redis that hangs or sits behind a black hole (Toxiproxy). The
+// service runs as a child process against real servers; what is asserted is
+// what a client and an operator see — statuses, Retry-After, exit codes, log
+// lines, rows. Durations are asserted only with a wide margin (a hung
+// dependency used to cost 10 s or forever); the figures come from
+// BenchmarkDependencyBlips.
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/golang-migrate/migrate/v4/database"
+	"github.com/jackc/pgx/v5"
+)
+
+// answer is what one request got.
+type answer struct {
+	status     int
+	retryAfter string
+	id         string // the order's id, for a 201
+	took       time.Duration
+	err        error // no answer at all
+}
+
+func (a answer) String() string {
+	if a.err != nil {
+		return fmt.Sprintf("error after %s: %v", a.took.Round(time.Millisecond), a.err)
+	}
+	return fmt.Sprintf("%d (Retry-After %q) after %s", a.status, a.retryAfter, a.took.Round(time.Millisecond))
+}
+
+// postOrder posts a valid order, with an Idempotency-Key when key != "".
+func postOrder(client *http.Client, api, key string) answer {
+	req, _ := http.NewRequest(http.MethodPost, api+"/api/orders", strings.NewReader(validOrder))
+	req.Header.Set("Content-Type", "application/json")
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	return do(client, req)
+}
+
+func do(client *http.Client, req *http.Request) answer {
+	start := time.Now()
+	resp, err := client.Do(req)
+	if err != nil {
+		return answer{err: err, took: time.Since(start)}
+	}
+	defer resp.Body.Close()
+	var body struct {
+		ID string `json:"id"`
+	}
+	raw, _ := io.ReadAll(resp.Body)
+	_ = json.Unmarshal(raw, &body)
+	return answer{status: resp.StatusCode, retryAfter: resp.Header.Get("Retry-After"), id: body.ID, took: time.Since(start)}
+}
+
+// concurrently runs n calls of fn at once and returns their answers.
+func concurrently(n int, fn func(i int) answer) []answer {
+	answers := make([]answer, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() { answers[i] = fn(i) })
+	}
+	wg.Wait()
+	return answers
+}
+
+// waitReadiness polls the ops readiness until it answers want, and returns
+// how long that took.
+func waitReadiness(t *testing.T, ops string, want int, within time.Duration) time.Duration {
+	t.Helper()
+	start := time.Now()
+	client := &http.Client{Timeout: 2 * time.Second}
+	var last string
+	for time.Since(start) < within {
+		resp, err := client.Get(ops + "/health/ready")
+		if err == nil {
+			raw, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == want {
+				return time.Since(start)
+			}
+			last = fmt.Sprintf("%d %s", resp.StatusCode, raw)
+		} else {
+			last = err.Error()
+		}
+		time.Sleep(20 * time.Millisecond) // a poll interval, not a wait for an event
+	}
+	t.Fatalf("readiness did not answer %d within %s; last answer: %s", want, within, last)
+	return 0
+}
+
+// A fast restart of PostgreSQL terminates every pooled connection. The first
+// one that hears it purges the pool, and a request caught on a dead
+// connection is retried on a fresh one: once readiness says 200 again, no
+// request fails.
+func TestPostgresRestartCostsNoRequestAfterReady(t *testing.T) {
+	t.Parallel()
+	pg := testOwnPostgres(t)
+	env := fastEnv(t)
+	env["DATABASE_URL"] = pg.URL
+	p := startProc(t, env)
+	ops, api := p.waitReady()
+	client := &http.Client{Timeout: 10 * time.Second}
+	post20 := func() []answer { return concurrently(20, func(int) answer { return postOrder(client, api, "") }) }
+	for _, a := range post20() { // fills the pool with connections the restart will kill
+		if a.status != http.StatusCreated {
+			t.Fatalf("before the restart: %s", a)
+		}
+	}
+
+	pg.Restart()
+	waitReadiness(t, ops, http.StatusOK, 10*time.Second)
+	var failed []string
+	for i, a := range post20() {
+		if a.status != http.StatusCreated {
+			failed = append(failed, fmt.Sprintf("request %d: %s", i, a))
+		}
+	}
+	if len(failed) > 0 {
+		t.Errorf("after readiness said 200 again, %d of 20 orders failed:\n%s", len(failed), strings.Join(failed, "\n"))
+	}
+}
+
+// Orders posted without pause while PostgreSQL restarts: none is answered
+// 500, every 5xx is a 503 with Retry-After, and the database holds exactly
+// the orders that were answered 201, each with its one order.created event.
+func TestPostgresRestartDuringLoadAnswersNo500AndLosesNothing(t *testing.T) {
+	t.Parallel()
+	pg := testOwnPostgres(t)
+	env := fastEnv(t)
+	env["DATABASE_URL"] = pg.URL
+	p := startProc(t, env)
+	ops, api := p.waitReady()
+	client := &http.Client{Timeout: 10 * time.Second}
+
+	ctx, stop := context.WithCancel(context.Background())
+	var mu sync.Mutex
+	var answers []answer
+	var wg sync.WaitGroup
+	for w := range 8 {
+		wg.Go(func() {
+			for i := 0; ctx.Err() == nil; i++ {
+				key := ""
+				if w%2 == 0 {
+					key = fmt.Sprintf("restart-%d-%d", w, i) // half of them idempotent
+				}
+				a := postOrder(client, api, key)
+				mu.Lock()
+				answers = append(answers, a)
+				mu.Unlock()
+			}
+		})
+	}
+	count := func() int { mu.Lock(); defer mu.Unlock(); return len(answers) }
+	for start := count(); count() < start+100; {
+		time.Sleep(10 * time.Millisecond) // until the load has run a while
+	}
+	pg.Restart()
+	waitReadiness(t, ops, http.StatusOK, 10*time.Second)
+	for start := count(); count() < start+100; {
+		time.Sleep(10 * time.Millisecond) // and a while after
+	}
+	stop()
+	wg.Wait()
+
+	byStatus := map[int]int{}
+	created := map[string]bool{}
+	for _, a := range answers {
+		switch {
+		case a.err != nil:
+			t.Errorf("no answer: %s", a)
+		case a.status == http.StatusCreated:
+			created[a.id] = true
+		case a.status >= 500 && (a.status != http.StatusServiceUnavailable || a.retryAfter == ""):
+			t.Errorf("a 5xx other than 503 with Retry-After: %s", a)
+		}
+		byStatus[a.status]++
+	}
+	t.Logf("%d orders across the restart: %v", len(answers), byStatus)
+
+	conn, err := pgx.Connect(context.Background(), pg.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	var orders, distinct, events int
+	if err := conn.QueryRow(context.Background(), `SELECT count(*), count(DISTINCT public_id),
+		(SELECT count(*) FROM outbox_events WHERE event_type = 'order.created') FROM orders`).Scan(&orders, &distinct, &events); err != nil {
+		t.Fatal(err)
+	}
+	if orders != len(created) || distinct != orders || events != orders {
+		t.Errorf("answered 201: %d distinct orders; stored: %d orders (%d distinct), %d order.created events — want all equal",
+			len(created), orders, distinct, events)
+	}
+}
+
+// Redis frozen (SIGSTOP): an order with an Idempotency-Key is answered in
+// well under a second — the marker gives way to PostgreSQL's unique key —
+// and a retry with the same key is the same order. Readiness turns 503, and
+// after SIGCONT everything comes back by itself.
+func TestRedisHungIdempotentOrderFallsBackToTheUniqueKey(t *testing.T) {
+	t.Parallel()
+	env := fastEnv(t)
+	rd := testRedis(t)
+	env["REDIS_URL"] = rd.URL
+	p := startProc(t, env)
+	ops, api := p.waitReady()
+	client := &http.Client{Timeout: 15 * time.Second}
+
+	rd.Pause()
+	first := postOrder(client, api, "hung-redis-1")
+	again := postOrder(client, api, "hung-redis-1")
+	plain := postOrder(client, api, "")
+	flip := waitReadiness(t, ops, http.StatusServiceUnavailable, 5*time.Second)
+	rd.Resume()
+	t.Logf("Redis frozen: idempotent POST %s, its retry %s, plain POST %s; readiness 503 after %s", first, again, plain, flip)
+	for _, a := range []answer{first, again, plain} {
+		if a.status != http.StatusCreated || a.took > 3*time.Second {
+			t.Errorf("want 201 well within a second or so, got %s", a)
+		}
+	}
+	if first.id == "" || again.id != first.id {
+		t.Errorf("the retry with the same key answered order %q, the first %q: want the same order", again.id, first.id)
+	}
+	waitReadiness(t, ops, http.StatusOK, 10*time.Second)
+	if a := postOrder(client, api, "hung-redis-2"); a.status != http.StatusCreated {
+		t.Errorf("after SIGCONT: %s", a)
+	}
+}
+
+// PostgreSQL frozen (SIGSTOP): every request is answered 503 with
+// Retry-After within its budget, readiness turns 503, and SIGTERM ends the
+// process within its shutdown budget — every release bounded on its own —
+// with exit 1 (the poller's batch could not finish) and every step's line.
+func TestPostgresHungRequestsAnswerAndTheDrainIsBounded(t *testing.T) {
+	t.Parallel()
+	pg := testOwnPostgres(t)
+	env := fastEnv(t)
+	env["DATABASE_URL"] = pg.URL
+	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "15s"
+	p := startProc(t, env)
+	ops, api := p.waitReady()
+	client := &http.Client{Timeout: 15 * time.Second}
+	created := postOrder(client, api, "")
+	if created.status != http.StatusCreated {
+		t.Fatalf("before the freeze: %s", created)
+	}
+
+	pg.Freeze()
+	defer pg.Thaw()
+	req, _ := http.NewRequest(http.MethodGet, api+"/api/orders/"+created.id, nil)
+	answers := map[string]answer{
+		"POST":             postOrder(client, api, ""),
+		"POST with a key":  postOrder(client, api, "hung-pg"),
+		"GET one order":    do(client, req),
+		"GET the listing":  do(client, must(http.NewRequest(http.MethodGet, api+"/api/orders?q=Ada", nil))),
+		"POST, concurrent": concurrently(4, func(int) answer { return postOrder(client, api, "") })[3],
+	}
+	for what, a := range answers {
+		t.Logf("PostgreSQL frozen: %s: %s", what, a)
+		if a.status != http.StatusServiceUnavailable || a.retryAfter == "" || a.took > 3*time.Second {
+			t.Errorf("%s: want 503 with Retry-After within a second or so, got %s", what, a)
+		}
+	}
+	t.Logf("readiness 503 after %s", waitReadiness(t, ops, http.StatusServiceUnavailable, 5*time.Second))
+
+	sent := time.Now()
+	p.signal(syscall.SIGTERM)
+	code := p.wait(15 * time.Second) // the budget
+	t.Logf("SIGTERM → exit %d in %s", code, time.Since(sent).Round(time.Millisecond))
+	for _, l := range p.logsMatching(map[string]any{"msg": "lifecycle"}) {
+		if l["step"] != nil {
+			t.Logf("step %v: %v ms %v", l["step"], l["duration_ms"], l["error"])
+		}
+	}
+	if code != 1 {
+		t.Errorf("exit code %d, want 1: the outbox batch in hand could not finish", code)
+	}
+	if strings.Contains(p.stderr.String(), "KUMIKO_SHUTDOWN_TIMEOUT") {
+		t.Errorf("the drain ran into its budget: a release waited for the hung database")
+	}
+	for _, step := range []string{"readiness", "linger", "closeListener", "sseClose", "inFlight", "sseHub", "leaderElection",
+		"jobsHeartbeat", "outboxPoller", "jobsWorker", "heartbeats", "clusterStatus", "redis", "db", "telemetryFlush", "opsListener"} {
+		if len(p.logsMatching(map[string]any{"msg": "lifecycle", "step": step})) != 1 {
+			t.Errorf("no step line for %s", step)
+		}
+	}
+}
+
+// Redis behind a black hole (Toxiproxy swallows every byte, closes nothing):
+// at boot the instance waits in redisConnect and becomes ready once the
+// hole closes; mid-run orders are answered at once and readiness turns
+// 503; in the drain every best-effort Redis release gives up after its own
+// second, and the process exits 0 — the work itself finished.
+func TestRedisBlackHoleAtBootMidRunAndInTheDrain(t *testing.T) {
+	t.Parallel()
+	tp := testToxiproxy(t)
+	rd := testRedis(t)
+	proxy := proxyTo(t, tp, "redis", rd.Addr)
+	env := fastEnv(t)
+	env["REDIS_URL"] = withHost(t, rd.URL, proxy.Listen)
+	env["KUMIKO_CONNECT_MAX_WAIT"] = "30s"
+	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "20s"
+
+	// At boot.
+	restore := blackHole(t, proxy)
+	p := startProc(t, env)
+	ops := p.addr("ops")
+	p.waitLog(10*time.Second, map[string]any{"msg": "connect failed", "target": "redis"})
+	restore()
+	_, api := p.waitReady()
+
+	// Mid-run.
+	client := &http.Client{Timeout: 15 * time.Second}
+	restore = blackHole(t, proxy)
+	first := postOrder(client, api, "black-hole-1")
+	again := postOrder(client, api, "black-hole-1")
+	flip := waitReadiness(t, ops, http.StatusServiceUnavailable, 5*time.Second)
+	t.Logf("Redis black-holed: idempotent POST %s, its retry %s; readiness 503 after %s", first, again, flip)
+	for _, a := range []answer{first, again} {
+		if a.status != http.StatusCreated || a.took > 3*time.Second {
+			t.Errorf("want 201 well within a second or so, got %s", a)
+		}
+	}
+	if again.id != first.id {
+		t.Errorf("the retry answered order %q, the first %q", again.id, first.id)
+	}
+
+	// In the drain, still black-holed.
+	sent := time.Now()
+	p.signal(syscall.SIGTERM)
+	code := p.wait(20 * time.Second)
+	took := time.Since(sent)
+	t.Logf("SIGTERM with Redis black-holed → exit %d in %s", code, took.Round(time.Millisecond))
+	if code != 0 {
+		t.Errorf("exit code %d, want 0: nothing in the drain needs Redis to finish its work", code)
+	}
+	if took > 12*time.Second {
+		t.Errorf("the drain took %s: a Redis call waited past its own bound", took)
+	}
+	for _, step := range []string{"leaderElection", "outboxPoller", "heartbeats", "clusterStatus"} {
+		line := p.logsMatching(map[string]any{"msg": "lifecycle", "step": step})
+		if len(line) != 1 {
+			t.Errorf("no step line for %s", step)
+			continue
+		}
+		if ms, _ := line[0]["duration_ms"].(float64); ms > 3000 {
+			t.Errorf("step %s took %.0f ms: want about a second at most", step, ms)
+		}
+	}
+	for _, step := range []string{"heartbeats", "clusterStatus"} {
+		if line := p.logsMatching(map[string]any{"msg": "lifecycle", "step": step, "level": "warning"}); len(line) != 1 {
+			t.Errorf("the failed best-effort release %s was not logged as a failure", step)
+		}
+	}
+	restore()
+}
+
+// A body over the limit, announced by Content-Length with Expect:
+// 100-continue (as curl sends 3 MB), is refused with 413 before the body is
+// invited: the first status line the client reads is the 413.
+func TestOversizedOrderIsRefusedBeforeTheBodyIsInvited(t *testing.T) {
+	t.Parallel()
+	p := startProc(t, fastEnv(t))
+	_, api := p.waitReady()
+	conn, err := net.DialTimeout("tcp", strings.TrimPrefix(api, "http://"), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	fmt.Fprintf(conn, "POST /api/orders HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"+
+		"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n", 3<<20)
+	status, err := bufio.NewReader(conn).ReadString('\n')
+	if err != nil {
+		t.Fatalf("reading the answer: %v", err)
+	}
+	if !strings.HasPrefix(status, "HTTP/1.1 413") {
+		t.Errorf("first status line %q, want HTTP/1.1 413 (no 100 Continue)", strings.TrimSpace(status))
+	}
+}
+
+// SIGTERM while the boot waits for the migration lock another process holds:
+// the migrator waits on a connection of its own, so the pool closes at once
+// and the process exits 0 well within its budget, with the lock still held
+// elsewhere.
+func TestSigtermWhileWaitingForTheMigrationLockExitsPromptly(t *testing.T) {
+	t.Parallel()
+	env := fastEnv(t)
+	holder, err := pgx.Connect(context.Background(), env["DATABASE_URL"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Close(context.Background())
+	var dbName string
+	holder.QueryRow(context.Background(), `SELECT current_database()`).Scan(&dbName)
+	lockID, err := database.GenerateAdvisoryLockId(dbName, "public", "schema_migrations")
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := strconv.ParseInt(lockID, 10, 64)
+	if _, err := holder.Exec(context.Background(), `SELECT pg_advisory_lock($1)`, id); err != nil {
+		t.Fatal(err)
+	}
+
+	p := startProc(t, env)
+	// The event: the service's session waits for that lock.
+	for start := time.Now(); ; time.Sleep(20 * time.Millisecond) {
+		var waiting bool
+		holder.QueryRow(context.Background(), `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted)`).Scan(&waiting)
+		if waiting {
+			break
+		}
+		if time.Since(start) > 20*time.Second {
+			t.Fatal("the service never waited for the migration lock")
+		}
+	}
+	sent := time.Now()
+	p.signal(syscall.SIGTERM)
+	code := p.wait(10 * time.Second)
+	t.Logf("SIGTERM while waiting for the migration lock → exit %d in %s", code, time.Since(sent).Round(time.Millisecond))
+	if code != 0 {
+		t.Errorf("exit code %d, want 0: asked to stop while starting", code)
+	}
+	if time.Since(sent) > 5*time.Second {
+		t.Errorf("exit took %s: the drain waited for the abandoned migration", time.Since(sent))
+	}
+}
+
+// Searches that cannot finish (a lock blocks the orders table) hold at most
+// their share of the pool: readiness, on a connection of its own, stays 200,
+// and the searches are answered 503 with Retry-After within their budget.
+func TestStuckSearchesNeitherStarveTheProbeNorHang(t *testing.T) {
+	t.Parallel()
+	env := fastEnv(t)
+	dbURL := env["DATABASE_URL"]
+	env["DATABASE_URL"] += "&pool_max_conns=4"
+	p := startProc(t, env)
+	ops, api := p.waitReady()
+	locker, err := pgx.Connect(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Close(context.Background())
+	tx, err := locker.Begin(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background())
+	if _, err := tx.Exec(context.Background(), `LOCK TABLE orders IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+
+	client := &http.Client{Timeout: 15 * time.Second}
+	ctx, stop := context.WithCancel(context.Background())
+	var searches []answer
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			for ctx.Err() == nil {
+				a := do(client, must(http.NewRequest(http.MethodGet, api+"/api/orders?q=nobody", nil)))
+				mu.Lock()
+				searches = append(searches, a)
+				mu.Unlock()
+			}
+		})
+	}
+	var probes []answer
+	for range 20 {
+		probes = append(probes, do(client, must(http.NewRequest(http.MethodGet, ops+"/health/ready", nil))))
+		time.Sleep(100 * time.Millisecond) // a probe period, the way a balancer asks
+	}
+	stop()
+	wg.Wait()
+	for _, a := range probes {
+		if a.status != http.StatusOK {
+			t.Errorf("readiness during the stuck searches: %s", a)
+		}
+	}
+	sort.Slice(searches, func(i, j int) bool { return searches[i].took < searches[j].took })
+	for _, a := range searches {
+		if a.status != http.StatusServiceUnavailable || a.retryAfter == "" || a.took > 3*time.Second {
+			t.Errorf("a stuck search: want 503 with Retry-After within its budget, got %s", a)
+			break
+		}
+	}
+	t.Logf("%d stuck searches, slowest answered in %s; %d probes all 200", len(searches), searches[len(searches)-1].took, len(probes))
+}
+
+func must[T any](v T, err error) T {
+	if err != nil {
+		panic(err)
+	}
+	return v
+}
