@@ -29,6 +29,7 @@ func (a *app) dbConnect(ctx context.Context, p *phaseRun) error {
 	var pool atomic.Pointer[pgxpool.Pool] // set below; the hook may fire while the first ping runs
 	hardenConnConfig(poolCfg.ConnConfig, serviceName+"/"+a.cfg.InstanceID, a.timeouts.dbStatement, a.timeouts.dbLock,
 		func() { purgePool(pool.Load()) })
+	poolCfg.AfterRelease = reusable
 	created, err := pgxpool.NewWithConfig(ctx, poolCfg) // lazy: connects on first use
 	if err != nil {
 		return fmt.Errorf("creating the pool: %w", err)
@@ -80,17 +81,14 @@ func hardenConnConfig(cc *pgx.ConnConfig, appName string, statement, lock time.D
 // query's context ends, the socket's deadline is pulled to now, so the caller
 // gets its answer within its own budget even from a hung server, and a
 // cancel request (on a connection of its own, bounded by cancelGrace) tells
-// the server to stop working on it.
-type cancelOnServer struct {
-	conn *pgconn.PgConn
-	sent chan struct{} // closed once the cancel request is done
-}
+// the server to stop working on it. A connection whose query was cancelled is
+// not used again: a cancel request may land late and cancel its next query
+// (AfterRelease drops it from the pool).
+type cancelOnServer struct{ conn *pgconn.PgConn }
 
 func (h *cancelOnServer) HandleCancel(context.Context) {
 	h.conn.Conn().SetDeadline(time.Now())
-	h.sent = make(chan struct{})
 	go func() { // bounded by cancelGrace; pgx's own handler sends it the same way
-		defer close(h.sent)
 		ctx, cancel := context.WithTimeout(context.Background(), cancelGrace)
 		defer cancel()
 		h.conn.CancelRequest(ctx)
@@ -98,19 +96,20 @@ func (h *cancelOnServer) HandleCancel(context.Context) {
 }
 
 func (h *cancelOnServer) HandleUnwatchAfterCancel() {
-	if h.conn.IsClosed() {
-		return // the usual case: the deadline broke the connection, and pgx drops it
-	}
-	// The query finished just before its deadline and the connection lives
-	// on: the cancel request must land before its next query could, or it
-	// would cancel that one (pgx's own handler waits the same way).
-	<-h.sent
-	time.Sleep(cancelGrace)
+	h.conn.CustomData()[cancelledQuery] = true
 	h.conn.Conn().SetDeadline(time.Time{})
 }
 
+// cancelledQuery marks a connection in its CustomData once a query on it was
+// cancelled.
+const cancelledQuery = "kumiko.cancelledQuery"
+
+// reusable is the pool's AfterRelease: a connection goes back to the pool
+// unless a query on it was cancelled.
+func reusable(c *pgx.Conn) bool { return c.PgConn().CustomData()[cancelledQuery] == nil }
+
 // cancelGrace bounds a cancel request; a hung server never takes it.
-const cancelGrace = 100 * time.Millisecond
+const cancelGrace = time.Second
 
 // serverGoingAway reports SQLSTATEs with which the server ends a session that
 // did nothing wrong: an operator's or a failover's shutdown (57P01), a crash
