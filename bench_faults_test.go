@@ -198,7 +198,13 @@ func frozenDependency(b *testing.B, env map[string]string, freeze, thaw func()) 
 	sent := time.Now()
 	p.signal(syscall.SIGTERM)
 	code := p.wait(60 * time.Second)
-	b.Logf("SIGTERM → exit %d in %s", code, time.Since(sent).Round(time.Millisecond))
+	var steps []string
+	for _, l := range p.logsMatching(map[string]any{"msg": "lifecycle"}) {
+		if ms, ok := l["duration_ms"].(float64); ok && l["step"] != nil && ms >= 100 {
+			steps = append(steps, fmt.Sprintf("%v %.0f ms", l["step"], ms))
+		}
+	}
+	b.Logf("SIGTERM → exit %d in %s; steps of 100 ms or more: %v", code, time.Since(sent).Round(time.Millisecond), steps)
 }
 
 func percentile(ds []time.Duration, p int) time.Duration {

@@ -135,32 +135,28 @@ func purgePool(p *pgxpool.Pool) {
 // The request path
 
 // retrySafe runs fn, the database work of one request, and runs it once more
-// when the first try failed in a way that proves nothing was applied: no byte
-// of it reached the server (pgconn.SafeToRetry), or the server answered that
-// it is going away. A lost connection purges the pool first, so the second
-// try gets a fresh one. Anything else is returned as it is; the API answers a
+// when the first try failed on the connection rather than on the statement:
+// nothing of it reached the server (pgconn.SafeToRetry), the server answered
+// that it is going away (57P01 and the like), or the socket broke. fn must be
+// idempotent, because a server going away may say so only after it
+// committed: the request path reads, and the order insert carries the same
+// order id both times, so its unique index tells a second try that the first
+// one landed. A lost connection purges the pool first, so the second try gets
+// a fresh one. Anything else is returned as it is; the API answers a
 // dependency's failure with 503 and Retry-After (dependencyUnavailable).
 func retrySafe(ctx context.Context, db *pgxpool.Pool, fn func(context.Context) error) error {
 	err := fn(ctx)
 	if err == nil || ctx.Err() != nil {
 		return err
 	}
-	if connectionLost(err) {
+	lost := connectionLost(err)
+	if lost {
 		purgePool(db)
 	}
-	if !notApplied(err) {
+	if !lost && !pgconn.SafeToRetry(err) {
 		return err
 	}
 	return fn(ctx)
-}
-
-// notApplied reports an error after which the work provably did not happen.
-func notApplied(err error) bool {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return serverGoingAway(pgErr.Code)
-	}
-	return pgconn.SafeToRetry(err)
 }
 
 // connectionLost reports an error that says the connection, not the

@@ -76,7 +76,7 @@ func (a *app) registerFeatures() []feature {
 			name: "events",
 			routes: []route{
 				{method: http.MethodGet, path: "/api/events", streaming: true, handler: func() echo.HandlerFunc {
-					return handleEvents(a.sse, a.db, a.cfg.SSE, a.cfg.InstanceID)
+					return handleEvents(a.sse, a.db, a.cfg.SSE, a.cfg.InstanceID, a.timeouts.request)
 				}},
 			},
 		},

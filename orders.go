@@ -173,13 +173,26 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, t timeouts, m *metri
 		}
 		ctx, cancel := context.WithTimeout(c.Request().Context(), t.request)
 		defer cancel()
-		key := c.Request().Header.Get("Idempotency-Key")
-		if key == "" {
-			var o order
-			err := retrySafe(ctx, db, func(ctx context.Context) (err error) {
-				o, err = createOrder(ctx, db, req, "", "")
+		// The order's id is drawn once: a retry inserts the same id, so the
+		// unique index tells whether the first try committed after all (a
+		// server going away may say so only after the commit).
+		publicID, err := uuid.NewV7() // time-ordered, so the unique index stays compact
+		if err != nil {
+			return fmt.Errorf("generating the order id: %w", err)
+		}
+		create := func(key, hash string) (o order, err error) {
+			err = retrySafe(ctx, db, func(ctx context.Context) (err error) {
+				o, err = createOrder(ctx, db, publicID, req, key, hash)
+				if isUniqueViolation(err) {
+					o, err = orderByPublicID(ctx, db, publicID) // ErrNoRows: another request's key
+				}
 				return err
 			})
+			return o, err
+		}
+		key := c.Request().Header.Get("Idempotency-Key")
+		if key == "" {
+			o, err := create("", "")
 			if err != nil {
 				return err
 			}
@@ -234,14 +247,11 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, t timeouts, m *metri
 			}
 		}()
 
-		var o order
-		err = retrySafe(ctx, db, func(ctx context.Context) (err error) {
-			o, err = createOrder(ctx, db, req, key, hash)
-			return err
-		})
-		if isUniqueViolation(err) {
-			o, err = byKey()
-			if err == nil {
+		o, err := create(key, hash)
+		if errors.Is(err, pgx.ErrNoRows) {
+			// The key's unique index refused this order: another request
+			// with the same key won the race.
+			if o, err := byKey(); err == nil {
 				return replay(c, m, o)
 			}
 		}
@@ -316,16 +326,12 @@ func sqlJSONTime(col string) string {
 }
 
 // createOrder writes the order and its order.created event atomically.
-func createOrder(ctx context.Context, db *pgxpool.Pool, req newOrder, key, hash string) (order, error) {
-	publicID, err := uuid.NewV7() // time-ordered, so the unique index stays compact
-	if err != nil {
-		return order{}, fmt.Errorf("generating the order id: %w", err)
-	}
+func createOrder(ctx context.Context, db *pgxpool.Pool, publicID uuid.UUID, req newOrder, key, hash string) (order, error) {
 	o := order{PublicID: publicID, Customer: req.Customer, Items: req.Items, TotalCents: req.total()}
 	items, _ := json.Marshal(req.Items) // strings and ints always encode
 	payload := appendOrderCreated(make([]byte, 0, 128), o.PublicID, o.TotalCents, len(o.Items))
 	// pgtype.UUID is sent in binary; uuid.UUID would go through driver.Valuer and a string.
-	err = db.QueryRow(ctx, insertOrderAndEvent, pgtype.UUID{Bytes: o.PublicID, Valid: true}, o.Customer, items,
+	err := db.QueryRow(ctx, insertOrderAndEvent, pgtype.UUID{Bytes: o.PublicID, Valid: true}, o.Customer, items,
 		o.TotalCents, key, hash, eventOrderCreated, payload, traceparentOf(ctx)).Scan(&o.ID, &o.CreatedAt)
 	if err != nil && !isUniqueViolation(err) {
 		return order{}, fmt.Errorf("creating the order: %w", err)
@@ -344,6 +350,11 @@ func appendOrderCreated(b []byte, id uuid.UUID, totalCents int64, itemCount int)
 	b = append(b, `,"itemCount":`...)
 	b = strconv.AppendInt(b, int64(itemCount), 10)
 	return append(b, '}')
+}
+
+// orderByPublicID loads an order by its public id.
+func orderByPublicID(ctx context.Context, db *pgxpool.Pool, id uuid.UUID) (order, error) {
+	return scanOrder(db.QueryRow(ctx, `SELECT `+orderColumns+` FROM orders WHERE public_id = $1`, id))
 }
 
 // orderByKey finds the order an Idempotency-Key created; a different request
@@ -390,7 +401,7 @@ func handleGetOrder(db *pgxpool.Pool, t timeouts) echo.HandlerFunc {
 		defer cancel()
 		var o order
 		err = retrySafe(ctx, db, func(ctx context.Context) (err error) {
-			o, err = scanOrder(db.QueryRow(ctx, `SELECT `+orderColumns+` FROM orders WHERE public_id = $1`, id))
+			o, err = orderByPublicID(ctx, db, id)
 			return err
 		})
 		if errors.Is(err, pgx.ErrNoRows) {

@@ -507,7 +507,11 @@ func (h *sseHub) closeStreams(drain, hard context.Context) (asked, forced int, e
 // reading ends its stream instead of pinning the handler, its memory and its
 // slot. Nothing is read from Postgres while a write is pending, and a replay
 // reads one page of streamPage events at a time.
-func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string) echo.HandlerFunc {
+//
+// Before the stream starts, the lookup of Last-Event-ID is bounded by budget
+// (the request's dependency budget): a hung database is a 503, not a
+// connection that hangs.
+func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string, budget time.Duration) echo.HandlerFunc {
 	return func(c echo.Context) error {
 		lastID := c.Request().Header.Get("Last-Event-ID")
 		if lastID == "" {
@@ -525,7 +529,9 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string)
 		ctx := s.ctx
 		var reset []byte
 		if lastID != "" {
-			r, err := resumePoint(ctx, db, lastID)
+			rctx, cancel := context.WithTimeout(ctx, budget)
+			r, err := resumePoint(rctx, db, lastID)
+			cancel()
 			if err != nil {
 				return err
 			}
