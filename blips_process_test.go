@@ -315,11 +315,11 @@ func TestPostgresHungRequestsAnswerAndTheDrainIsBounded(t *testing.T) {
 	defer pg.Thaw()
 	req, _ := http.NewRequest(http.MethodGet, api+"/api/orders/"+created.id, nil)
 	answers := map[string]answer{
-		"POST":             postOrder(client, api, ""),
-		"POST with a key":  postOrder(client, api, "hung-pg"),
-		"GET one order":    do(client, req),
-		"GET the listing":  do(client, must(http.NewRequest(http.MethodGet, api+"/api/orders?q=Ada", nil))),
-		"POST, concurrent": concurrently(4, func(int) answer { return postOrder(client, api, "") })[3],
+		"POST":                     postOrder(client, api, ""),
+		"POST with a key":          postOrder(client, api, "hung-pg"),
+		"GET one order":            do(client, req),
+		"GET the listing":          do(client, must(http.NewRequest(http.MethodGet, api+"/api/orders?q=Ada", nil))),
+		"POST, concurrent":         concurrently(4, func(int) answer { return postOrder(client, api, "") })[3],
 		"GET the stream, resuming": do(client, resumingStream(api)),
 	}
 	for what, a := range answers {
