@@ -16,6 +16,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"sort"
 	"strconv"
 	"strings"
@@ -24,6 +25,7 @@ import (
 	"testing"
 	"time"
 
+	toxiproxy "github.com/Shopify/toxiproxy/v2/client"
 	"github.com/golang-migrate/migrate/v4/database"
 	"github.com/jackc/pgx/v5"
 )
@@ -336,6 +338,18 @@ func TestPostgresHungRequestsAnswerAndTheDrainIsBounded(t *testing.T) {
 	}
 	t.Logf("readiness 503 after %s", waitReadiness(t, ops, http.StatusServiceUnavailable, 5*time.Second))
 
+	// SIGCONT: back by itself, nothing lost.
+	pg.Thaw()
+	waitReadiness(t, ops, http.StatusOK, 10*time.Second)
+	if a := postOrder(client, api, "hung-pg"); a.status != http.StatusCreated {
+		t.Errorf("after SIGCONT, the key that got a 503 while frozen: %s", a)
+	}
+
+	// Frozen again, then SIGTERM.
+	pg.Freeze()
+	if a := postOrder(client, api, ""); a.status != http.StatusServiceUnavailable { // the poller is stuck by now
+		t.Errorf("frozen again: %s", a)
+	}
 	sent := time.Now()
 	p.signal(syscall.SIGTERM)
 	code := p.wait(15 * time.Second) // the budget
@@ -449,6 +463,76 @@ func TestOversizedOrderIsRefusedBeforeTheBodyIsInvited(t *testing.T) {
 	}
 	if !strings.HasPrefix(status, "HTTP/1.1 413") {
 		t.Errorf("first status line %q, want HTTP/1.1 413 (no 100 Continue)", strings.TrimSpace(status))
+	}
+}
+
+// A chunked body (no Content-Length) is cut at the limit with 413.
+func TestChunkedOversizedOrderIsCutAtTheLimit(t *testing.T) {
+	t.Parallel()
+	p := startProc(t, fastEnv(t))
+	_, api := p.waitReady()
+	body := io.MultiReader(strings.NewReader(`{"customer":"`), strings.NewReader(strings.Repeat("x", 3<<20)), strings.NewReader(`"}`))
+	req := must(http.NewRequest(http.MethodPost, api+"/api/orders", body))
+	req.Header.Set("Content-Type", "application/json")
+	req.ContentLength = -1 // chunked
+	if a := do(&http.Client{Timeout: 10 * time.Second}, req); a.status != http.StatusRequestEntityTooLarge {
+		t.Errorf("a 3 MB chunked body: %s, want 413", a)
+	}
+}
+
+// Toxiproxy between the service and both dependencies: latency below the
+// request budget slows orders down, latency above it turns them into 503s
+// with Retry-After within the budget, and Redis resetting every connection
+// (reset_peer) or trickling at 1 KB/s leaves idempotent orders to the unique
+// key; all of it heals when the toxic goes.
+func TestToxicLatencyResetAndBandwidth(t *testing.T) {
+	t.Parallel()
+	tp := testToxiproxy(t)
+	env := fastEnv(t)
+	rd := testRedis(t)
+	pgProxy := proxyTo(t, tp, "postgres", must(url.Parse(env["DATABASE_URL"])).Host)
+	redisProxy := proxyTo(t, tp, "redis", rd.Addr)
+	env["DATABASE_URL"] = withHost(t, env["DATABASE_URL"], pgProxy.Listen)
+	env["REDIS_URL"] = withHost(t, rd.URL, redisProxy.Listen)
+	p := startProc(t, env)
+	_, api := p.waitReady()
+	client := &http.Client{Timeout: 15 * time.Second}
+	toxic := func(proxy *toxiproxy.Proxy, name, kind string, attrs toxiproxy.Attributes) func() {
+		if _, err := proxy.AddToxic(name, kind, "downstream", 1, attrs); err != nil {
+			t.Fatalf("adding %s to %s: %v", kind, proxy.Name, err)
+		}
+		return func() {
+			if err := proxy.RemoveToxic(name); err != nil {
+				t.Errorf("removing %s: %v", name, err)
+			}
+		}
+	}
+
+	remove := toxic(pgProxy, "slow", "latency", toxiproxy.Attributes{"latency": 20})
+	if a := postOrder(client, api, ""); a.status != http.StatusCreated {
+		t.Errorf("PostgreSQL 20 ms away: %s", a)
+	}
+	remove()
+	remove = toxic(pgProxy, "too-slow", "latency", toxiproxy.Attributes{"latency": 2000})
+	if a := postOrder(client, api, ""); a.status != http.StatusServiceUnavailable || a.retryAfter == "" || a.took > 3*time.Second {
+		t.Errorf("PostgreSQL 2 s away: %s, want 503 with Retry-After within the budget", a)
+	}
+	remove()
+	for name, kind := range map[string]string{"reset": "reset_peer", "trickle": "bandwidth"} {
+		attrs := toxiproxy.Attributes{"timeout": 0}
+		if kind == "bandwidth" {
+			attrs = toxiproxy.Attributes{"rate": 1}
+		}
+		remove = toxic(redisProxy, name, kind, attrs)
+		key := "toxic-" + name
+		first, again := postOrder(client, api, key), postOrder(client, api, key)
+		if first.status != http.StatusCreated || again.id != first.id || first.took > 3*time.Second {
+			t.Errorf("Redis %s: %s, then %s; want 201 at once and the same order", kind, first, again)
+		}
+		remove()
+	}
+	if a := postOrder(client, api, "toxic-healed"); a.status != http.StatusCreated {
+		t.Errorf("after the toxics: %s", a)
 	}
 }
 
