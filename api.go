@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	stdlog "log"
+	"math"
 	"net"
 	"net/http"
 	"net/http/pprof"
@@ -115,11 +116,12 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 // by listenHTTP itself, so a port in use is an error of the phase that asked
 // for it, not of some goroutine later.
 type httpServer struct {
-	name   string
-	srv    *http.Server
-	addr   net.Addr
-	done   chan struct{} // closed when Serve has returned
-	silent *silentConns
+	name    string
+	srv     *http.Server
+	addr    net.Addr
+	done    chan struct{} // closed when Serve has returned
+	silent  *silentConns
+	traffic *traffic
 }
 
 // listenHTTP binds addr and serves h on it from one owned goroutine. A Serve
@@ -131,18 +133,26 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 		return nil, fmt.Errorf("binding the %s listener: %w", name, err)
 	}
 	silent := &silentConns{since: map[net.Conn]time.Time{}}
+	clients := &traffic{}
+	connState := func(c net.Conn, state http.ConnState) {
+		silent.track(c, state)
+		if state == http.StateNew {
+			clients.seen()
+		}
+	}
 	s := &httpServer{
 		name: name,
 		// No server-wide ReadTimeout or WriteTimeout: they would cut the event
 		// streams. Bodies get a per-request deadline (bodyReadDeadline), stream
 		// writes their own write deadline.
-		srv: &http.Server{Handler: h, ReadHeaderTimeout: hc.ReadHeaderTimeout, IdleTimeout: hc.IdleTimeout,
-			MaxHeaderBytes: maxHeaderBytes, ConnState: silent.track,
+		srv: &http.Server{Handler: clients.observe(h), ReadHeaderTimeout: hc.ReadHeaderTimeout, IdleTimeout: hc.IdleTimeout,
+			MaxHeaderBytes: maxHeaderBytes, ConnState: connState,
 			// net/http's own complaints (bad handshakes, header timeouts) join the structured log.
 			ErrorLog: stdlog.New(warnWriter{log.WithField("component", name)}, "", 0)},
-		addr:   ln.Addr(),
-		done:   make(chan struct{}),
-		silent: silent,
+		addr:    ln.Addr(),
+		done:    make(chan struct{}),
+		silent:  silent,
+		traffic: clients,
 	}
 	go func() {
 		defer close(s.done)
@@ -152,6 +162,40 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 	}()
 	log.WithFields(logrus.Fields{"component": name, "addr": s.addr.String()}).Info("listening")
 	return s, nil
+}
+
+// traffic remembers when a client last came: a new connection, or a request
+// that is not a health check (probes ask on their own schedule whether or
+// not traffic is routed here). The adaptive linger reads it to tell when the
+// load balancer has stopped sending.
+type traffic struct {
+	mu   sync.Mutex
+	last time.Time // zero: nobody yet
+}
+
+func (t *traffic) seen() {
+	t.mu.Lock()
+	t.last = time.Now()
+	t.mu.Unlock()
+}
+
+// quietFor is how long no client came; since the start when none ever did.
+func (t *traffic) quietFor() time.Duration {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.last.IsZero() {
+		return time.Duration(math.MaxInt64)
+	}
+	return time.Since(t.last)
+}
+
+func (t *traffic) observe(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !strings.HasPrefix(r.URL.Path, "/health") {
+			t.seen()
+		}
+		h.ServeHTTP(w, r)
+	})
 }
 
 // silentConns are the connections that have not sent a whole request header

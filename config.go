@@ -120,6 +120,7 @@ type lifecycleConfig struct {
 	StartupTimeout   time.Duration
 	ShutdownTimeout  time.Duration
 	Linger           time.Duration
+	LingerQuiet      time.Duration
 	DrainTimeout     time.Duration
 	PhaseTimeout     time.Duration
 	ConnectMaxWait   time.Duration
@@ -150,6 +151,7 @@ type heartbeatConfig struct {
 type readinessConfig struct {
 	ProbeTimeout time.Duration
 	CacheTTL     time.Duration
+	ProbePeriod  time.Duration
 }
 
 // configSetting declares one setting completely. The file key says what the
@@ -272,6 +274,8 @@ func (c *config) settings() []configSetting {
 			doc: "the whole drain, from the stop signal to exit; past it, exit 1", old: "lifecycle.shutdownTimeoutSec"},
 		{key: "lifecycle.linger", env: "KUMIKO_LINGER", def: "3s", value: durationValue{p: &l.Linger, zeroOK: true},
 			doc: "keep serving after readiness turns 503, so load balancers notice", old: "lifecycle.lingerSec"},
+		{key: "lifecycle.lingerQuiet", env: "KUMIKO_LINGER_QUIET", def: "0", value: durationValue{p: &l.LingerQuiet, zeroOK: true},
+			doc: "the linger ends once no request came for this long (after one readiness.probePeriod); 0: half the probe period; = linger: a fixed linger"},
 		{key: "lifecycle.drainTimeout", env: "KUMIKO_DRAIN_TIMEOUT", def: "30s", value: durationValue{p: &l.DrainTimeout},
 			doc: "wait this long for in-flight requests", old: "lifecycle.drainTimeoutSec"},
 		{key: "lifecycle.phaseTimeout", env: "KUMIKO_PHASE_TIMEOUT", def: "30s", value: durationValue{p: &l.PhaseTimeout},
@@ -299,6 +303,8 @@ func (c *config) settings() []configSetting {
 			doc: "a heartbeat older than this is stale: readiness 503", old: "lifecycle.heartbeat.ttlSec"},
 		{key: "lifecycle.readiness.probeTimeout", env: "KUMIKO_READINESS_PROBE_TIMEOUT", def: "1s", value: durationValue{p: &l.Readiness.ProbeTimeout},
 			doc: "one readiness dependency check", old: "lifecycle.readiness.probeTimeoutSec"},
+		{key: "lifecycle.readiness.probePeriod", env: "KUMIKO_READINESS_PROBE_PERIOD", def: "1s", value: durationValue{p: &l.Readiness.ProbePeriod},
+			doc: "how long the load balancer takes to see a 503 (its check interval × failure threshold): the least a linger lasts"},
 		{key: "lifecycle.readiness.cacheTtl", env: "KUMIKO_READINESS_CACHE_TTL", def: "1s", value: durationValue{p: &l.Readiness.CacheTTL},
 			doc: "reuse a probe result this long, so frequent polling stays cheap", old: "lifecycle.readiness.cacheTtlSec"},
 	}

@@ -155,7 +155,8 @@ func TestDashboardClusterDrainInHeadlessChromium(t *testing.T) {
 	}
 	ctx := headlessChromium(t, 2*time.Minute)
 	env := leaderEnv(t)
-	env["KUMIKO_LINGER"] = "5s" // the page sees app1 draining (≤ 2 s: poll + cache) with a margin
+	// A fixed linger: the page sees app1 draining (≤ 2 s: poll + cache) with a margin.
+	env["KUMIKO_LINGER"], env["KUMIKO_LINGER_QUIET"] = "5s", "5s"
 	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "20s"
 	app1 := startAs(t, env, "app1")
 	ops1, api1 := app1.waitReady()

@@ -337,7 +337,7 @@ func TestProcessInvalidConfigListsEveryProblem(t *testing.T) {
 // 7. SIGHUP is ignored; a second SIGINT while draining forces exit 1 at once.
 func TestProcessSIGHUPIgnoredAndSecondSignalForces(t *testing.T) {
 	env := fastEnv(t)
-	env["KUMIKO_LINGER"] = "20s"
+	env["KUMIKO_LINGER"], env["KUMIKO_LINGER_QUIET"] = "20s", "20s" // a fixed linger: the second signal comes during it
 	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "60s"
 	env["KUMIKO_DRAIN_TIMEOUT"] = "30s"
 	p := startProc(t, env)

@@ -172,7 +172,7 @@ func (a *app) shutdown(bootErr error) error {
 // lifecycle.shutdown; it lasts as long as what it waits for.
 //
 //	stop request ─┬─ readiness       state → draining: /health/ready answers 503, responses say Connection: close
-//	              ├─ linger          KUMIKO_LINGER: serve on while the load balancer notices
+//	              ├─ linger          serve on until the load balancer has stopped sending (at most KUMIKO_LINGER)
 //	              ├─ closeListener   until the API port refuses new connections
 //	              ├─ sseClose        ┐ KUMIKO_DRAIN_TIMEOUT: streams get `event: shutdown`,
 //	              ├─ inFlight        ┘ requests finish; what is left then is force-closed
@@ -193,7 +193,7 @@ func (a *app) drain(ctx context.Context, reason string) error {
 
 	a.step(ctx, "readiness", a.stopBeingReady)
 	if a.api != nil {
-		a.step(ctx, "linger", func(ctx context.Context) error { return sleepCtx(ctx, a.timeouts.linger) })
+		a.step(ctx, "linger", a.linger)
 		a.step(ctx, "closeListener", a.closeAPIListener)
 		a.step(ctx, "sseClose", func(ctx context.Context) error { return a.closeStreams(drainCtx, ctx) })
 		a.step(ctx, "inFlight", func(context.Context) error { return a.awaitInFlight(drainCtx) })
@@ -218,6 +218,35 @@ func (a *app) drain(ctx context.Context, reason string) error {
 // this instance.
 func (a *app) stopBeingReady(context.Context) error {
 	a.lc.advanceTo(StateDraining)
+	return nil
+}
+
+// linger serves on, normally, until the load balancer has visibly stopped
+// sending: no new connection and no request other than a health check for
+// lingerQuiet, and not before lingerMin, the time a balancer takes to see
+// the 503 (KUMIKO_READINESS_PROBE_PERIOD). KUMIKO_LINGER bounds it. With no
+// traffic at all it lasts lingerMin; behind a balancer that keeps sending,
+// KUMIKO_LINGER. One line says which ended it.
+func (a *app) linger(ctx context.Context) error {
+	t, start := a.timeouts, time.Now()
+	ended := "max"
+	for {
+		elapsed, quiet := time.Since(start), a.api.traffic.quietFor()
+		if elapsed >= t.linger {
+			break
+		}
+		if elapsed >= t.lingerMin && quiet >= t.lingerQuiet {
+			ended = "quiet"
+			break
+		}
+		// Look again when both could first be true, or at the bound.
+		wait := max(t.lingerMin-elapsed, t.lingerQuiet-quiet)
+		if err := sleepCtx(ctx, min(wait, t.linger-elapsed)); err != nil {
+			return err
+		}
+	}
+	a.log.WithFields(logrus.Fields{"component": "lifecycle", "event": "linger_ended", "ended": ended,
+		"duration_ms": time.Since(start).Milliseconds(), "quiet_ms": t.lingerQuiet.Milliseconds()}).Info("lifecycle")
 	return nil
 }
 

@@ -1,6 +1,9 @@
 package main
 
-import "time"
+import (
+	"cmp"
+	"time"
+)
 
 // timeouts is every deadline of the lifecycle, decided here and nowhere
 // else: boot.go, shutdown.go and the components are given theirs.
@@ -13,8 +16,13 @@ type timeouts struct {
 
 	// The drain.
 	shutdown time.Duration // signal → exit: KUMIKO_SHUTDOWN_TIMEOUT
-	linger   time.Duration // KUMIKO_LINGER
-	drain    time.Duration // steps sseClose and inFlight together: KUMIKO_DRAIN_TIMEOUT
+	linger   time.Duration // the longest linger: KUMIKO_LINGER
+	// The linger ends earlier once the load balancer has visibly stopped
+	// sending: no request for lingerQuiet (KUMIKO_LINGER_QUIET, by default
+	// half the probe period), and not before lingerMin, the time it takes to
+	// notice the 503 (KUMIKO_READINESS_PROBE_PERIOD).
+	lingerMin, lingerQuiet time.Duration
+	drain                  time.Duration // steps sseClose and inFlight together: KUMIKO_DRAIN_TIMEOUT
 	// Kept back for each release hook still waiting, so one hung hook cannot
 	// eat the time the DB pool needs to close.
 	hookReserve time.Duration
@@ -83,6 +91,8 @@ func newTimeouts(c config) timeouts {
 		connectAttempt: min(5*time.Second, l.ConnectMaxWait),
 		shutdown:       l.ShutdownTimeout,
 		linger:         l.Linger,
+		lingerMin:      min(l.Readiness.ProbePeriod, l.Linger),
+		lingerQuiet:    cmp.Or(l.LingerQuiet, l.Readiness.ProbePeriod/2),
 		drain:          l.DrainTimeout,
 		hookReserve:    time.Second,
 		jobsSoftStop:   max(releases/2, abandonGrace),

@@ -1,0 +1,96 @@
+package main
+
+// The adaptive linger, at the process level: it ends when the load balancer
+// has visibly stopped sending (ended=quiet), not before one probe period,
+// and never after KUMIKO_LINGER (ended=max).
+
+import (
+	"context"
+	"net/http"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// lingerEnded waits for the drain's linger line and returns it.
+func lingerEnded(t *testing.T, p *proc) map[string]any {
+	t.Helper()
+	return p.waitLog(20*time.Second, map[string]any{"event": "linger_ended"})
+}
+
+// Nobody sends anything: the linger lasts one probe period, not KUMIKO_LINGER.
+func TestLingerWithoutTrafficEndsAfterOneProbePeriod(t *testing.T) {
+	t.Parallel()
+	env := fastEnv(t)
+	env["KUMIKO_LINGER"], env["KUMIKO_READINESS_PROBE_PERIOD"], env["KUMIKO_SHUTDOWN_TIMEOUT"] = "5s", "300ms", "20s"
+	p := startProc(t, env)
+	p.waitReady()
+	sent := time.Now()
+	p.signal(syscall.SIGTERM)
+	line := lingerEnded(t, p)
+	code := p.wait(20 * time.Second)
+	t.Logf("no traffic: linger %v ms (%v), SIGTERM → exit %d in %s", line["duration_ms"], line["ended"], code, time.Since(sent).Round(time.Millisecond))
+	if line["ended"] != "quiet" || code != 0 {
+		t.Errorf("linger ended=%v, exit %d: want quiet and 0", line["ended"], code)
+	}
+	if ms, _ := line["duration_ms"].(float64); ms < 300 {
+		t.Errorf("the linger took %.0f ms: it must last at least the probe period (300 ms)", ms)
+	}
+}
+
+// A client that keeps sending keeps the instance lingering until
+// KUMIKO_LINGER; once it stops, the linger ends a quiet period later.
+func TestLingerLastsWhileRequestsComeAndEndsWhenTheyStop(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name        string
+		sendFor     time.Duration // after the drain began; 0: until the listener closes
+		linger      string
+		wantEndedBy string
+	}{
+		{"traffic until the end", 0, "1s", "max"},
+		{"traffic that stops", 500 * time.Millisecond, "10s", "quiet"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			env := fastEnv(t)
+			env["KUMIKO_LINGER"], env["KUMIKO_READINESS_PROBE_PERIOD"], env["KUMIKO_LINGER_QUIET"] = tc.linger, "100ms", "900ms"
+			env["KUMIKO_SHUTDOWN_TIMEOUT"] = "20s"
+			p := startProc(t, env)
+			_, api := p.waitReady()
+			client := &http.Client{Timeout: 5 * time.Second}
+			ctx, stop := context.WithCancel(context.Background())
+			defer stop()
+			done := make(chan int)
+			go func() { // a request every 10 ms until stopped or refused
+				n := 0
+				defer func() { done <- n }()
+				for ctx.Err() == nil {
+					resp, err := client.Get(api + "/api/slow?ms=0")
+					if err != nil {
+						return
+					}
+					resp.Body.Close()
+					n++
+					time.Sleep(10 * time.Millisecond) // the client's pace
+				}
+			}()
+			p.signal(syscall.SIGTERM)
+			if tc.sendFor > 0 {
+				p.waitLog(10*time.Second, map[string]any{"event": "state_changed", "to": "draining"})
+				time.Sleep(tc.sendFor) // the client's own schedule: it sends this long into the drain
+				stop()
+			}
+			line := lingerEnded(t, p)
+			stop()
+			n := <-done
+			t.Logf("%s: %d requests; linger %v ms, ended by %v", tc.name, n, line["duration_ms"], line["ended"])
+			if line["ended"] != tc.wantEndedBy {
+				t.Errorf("linger ended by %v, want %s", line["ended"], tc.wantEndedBy)
+			}
+			if code := p.wait(20 * time.Second); code != 0 {
+				t.Errorf("exit code %d", code)
+			}
+		})
+	}
+}
