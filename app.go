@@ -62,6 +62,7 @@ type app struct {
 	sse        *sseHub                    // 15. apiListener
 	api        *httpServer                // 15. apiListener
 	inFlight   atomic.Int64               // API requests being served now
+	rejecting  atomic.Bool                // KUMIKO_DRAIN_REJECT=retry-after, from closeListener on: new API requests get 503
 }
 
 func newApp(getenv func(string) string, stdout io.Writer) *app {

@@ -121,6 +121,7 @@ type lifecycleConfig struct {
 	ShutdownTimeout  time.Duration
 	Linger           time.Duration
 	LingerQuiet      time.Duration
+	DrainReject      string
 	DrainTimeout     time.Duration
 	PhaseTimeout     time.Duration
 	ConnectMaxWait   time.Duration
@@ -276,6 +277,8 @@ func (c *config) settings() []configSetting {
 			doc: "keep serving after readiness turns 503, so load balancers notice", old: "lifecycle.lingerSec"},
 		{key: "lifecycle.lingerQuiet", env: "KUMIKO_LINGER_QUIET", def: "0", value: durationValue{p: &l.LingerQuiet, zeroOK: true},
 			doc: "the linger ends once no request came for this long (after one readiness.probePeriod); 0: half the probe period; = linger: a fixed linger"},
+		{key: "lifecycle.drainReject", env: "KUMIKO_DRAIN_REJECT", def: "refuse", value: choiceValue{p: &l.DrainReject, allowed: []string{"refuse", "retry-after"}},
+			doc: "after the linger: refuse new connections, or keep the port open and answer 503 with Retry-After until the requests in flight are done"},
 		{key: "lifecycle.drainTimeout", env: "KUMIKO_DRAIN_TIMEOUT", def: "30s", value: durationValue{p: &l.DrainTimeout},
 			doc: "wait this long for in-flight requests", old: "lifecycle.drainTimeoutSec"},
 		{key: "lifecycle.phaseTimeout", env: "KUMIKO_PHASE_TIMEOUT", def: "30s", value: durationValue{p: &l.PhaseTimeout},

@@ -94,3 +94,46 @@ func TestLingerLastsWhileRequestsComeAndEndsWhenTheyStop(t *testing.T) {
 		})
 	}
 }
+
+// After the linger a new client either finds the port closed (the default,
+// refuse) or, with KUMIKO_DRAIN_REJECT=retry-after, is answered 503 with
+// Retry-After and Connection: close while a request in flight finishes.
+func TestDrainRejectModes(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []string{"refuse", "retry-after"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			env := fastEnv(t)
+			env["KUMIKO_DRAIN_REJECT"] = mode
+			p := startProc(t, env)
+			ops, api := p.waitReady()
+			slow := make(chan answer, 1)
+			go func() {
+				slow <- do(&http.Client{Timeout: 10 * time.Second}, must(http.NewRequest(http.MethodGet, api+"/api/slow?ms=1500", nil)))
+			}()
+			for n, _ := scrapeMetric(ops, "kumiko_http_requests_in_flight"); n < 1; n, _ = scrapeMetric(ops, "kumiko_http_requests_in_flight") {
+				time.Sleep(10 * time.Millisecond) // a poll: until the slow request is being served
+			}
+			p.signal(syscall.SIGTERM)
+			p.waitLog(5*time.Second, map[string]any{"msg": "lifecycle", "step": "closeListener"})
+			fresh := do(&http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}},
+				must(http.NewRequest(http.MethodGet, api+"/api/slow?ms=0", nil)))
+			switch mode {
+			case "refuse":
+				if fresh.err == nil {
+					t.Errorf("a new connection after the linger: %s, want refused", fresh)
+				}
+			case "retry-after":
+				if fresh.status != http.StatusServiceUnavailable || fresh.retryAfter == "" {
+					t.Errorf("a new request after the linger: %s, want 503 with Retry-After", fresh)
+				}
+			}
+			if a := <-slow; a.status != http.StatusOK {
+				t.Errorf("the request in flight: %s, want 200", a)
+			}
+			if code := p.wait(10 * time.Second); code != 0 {
+				t.Errorf("exit code %d", code)
+			}
+		})
+	}
+}

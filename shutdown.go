@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -257,10 +260,21 @@ func (a *app) linger(ctx context.Context) error {
 // HAProxy then drops its client's connection without an answer (a POST is not
 // retried). A connection that answers first is closed cleanly; the idle ones
 // are closed by closeListener, after the linger, when no traffic comes.
-func closeAfterDraining(lc *Lifecycle, h http.Handler) http.Handler {
+//
+// With KUMIKO_DRAIN_REJECT=retry-after, once rejecting is set (closeListener)
+// every request but a health check is answered 503 with Retry-After: a client
+// that connects directly hears why, instead of a refused connection.
+func closeAfterDraining(lc *Lifecycle, rejecting *atomic.Bool, h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if lc.State() >= StateDraining {
 			w.Header().Set("Connection", "close")
+		}
+		if rejecting.Load() && !strings.HasPrefix(r.URL.Path, "/health") {
+			w.Header().Set("Retry-After", "1")
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusServiceUnavailable)
+			io.WriteString(w, `{"error":{"code":"draining","message":"this instance is shutting down; retry, another one answers"}}`)
+			return
 		}
 		h.ServeHTTP(w, r)
 	})
@@ -271,7 +285,15 @@ func closeAfterDraining(lc *Lifecycle, h http.Handler) http.Handler {
 // ended: Shutdown closes the listener (and returns only once Serve has let go
 // of it), closes the idle connections, and returns instead of waiting for the
 // handlers. awaitInFlight waits for them, after the streams are closed.
+//
+// With KUMIKO_DRAIN_REJECT=retry-after the port stays open instead: new
+// requests are answered 503 with Retry-After (closeAfterDraining) until
+// awaitInFlight has seen the requests in flight finish.
 func (a *app) closeAPIListener(context.Context) error {
+	if a.cfg.Lifecycle.DrainReject == drainRejectRetryAfter {
+		a.rejecting.Store(true)
+		return nil
+	}
 	firstPassOnly, cancel := context.WithCancel(context.Background())
 	cancel()
 	if err := a.api.srv.Shutdown(firstPassOnly); err != nil && !errors.Is(err, context.Canceled) {
@@ -309,6 +331,14 @@ func (a *app) closeStreams(drainCtx, ctx context.Context) error {
 // half a second late. While it waits, connections that have sent nothing
 // for silentConnGrace are closed (Shutdown itself would wait 5 s for them).
 func (a *app) awaitInFlight(drainCtx context.Context) error {
+	if a.rejecting.Load() {
+		// The port answers 503s until the requests in flight are done.
+		for a.inFlight.Load() > 0 {
+			if sleepCtx(drainCtx, rejectPoll) != nil {
+				break // the drain budget is spent: Shutdown force-closes below
+			}
+		}
+	}
 	shutdown := make(chan error, 1)
 	go func() { shutdown <- a.api.srv.Shutdown(drainCtx) }()
 	silent := a.api.silent.closeSilent(silentConnGrace)
@@ -338,6 +368,12 @@ func (a *app) awaitInFlight(drainCtx context.Context) error {
 	<-a.api.done
 	return nil
 }
+
+// drainRejectRetryAfter is KUMIKO_DRAIN_REJECT's mode that keeps the port open.
+const drainRejectRetryAfter = "retry-after"
+
+// rejectPoll is how often the retry-after mode looks for the last request in flight.
+const rejectPoll = 10 * time.Millisecond
 
 // flushTelemetry sends the spans recorded so far; the exporter stays open
 // for the spans of the steps still to come.
