@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -81,6 +82,7 @@ func (reportArgs) InsertOpts() river.InsertOpts {
 // the jobs an event triggers, and the jobs an operator may run by hand.
 type jobs struct {
 	client      *river.Client[pgx.Tx]
+	stopping    atomic.Bool         // Stop has begun: a job cancelled now was interrupted, not failed
 	subscribers map[string][]string // event type → job kinds, from the feature graph
 	tracer      trace.Tracer
 	log         *logrus.Entry
@@ -108,6 +110,7 @@ func newJobs(d jobDeps, cfg jobsConfig, softStop time.Duration, instanceID strin
 	river.AddWorker(workers, river.WorkFunc(d.writeReport))
 	river.AddWorker(workers, river.WorkFunc(sleepJob))
 	river.AddWorker(workers, river.WorkFunc(d.purgeOutbox))
+	j := &jobs{tracer: tracer, log: d.log}
 	client, err := river.NewClient(riverpgxv5.New(d.db), &river.Config{
 		ID:                   instanceID,
 		Queues:               map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: int(cfg.Workers)}},
@@ -117,7 +120,7 @@ func newJobs(d jobDeps, cfg jobsConfig, softStop time.Duration, instanceID strin
 		RescueStuckJobsAfter: cfg.RescueAfter,
 		SoftStopTimeout:      softStop,
 		Logger:               riverLogger(d.log),
-		Middleware:           []rivertype.Middleware{traceAndCountJobs(tracer, m)},
+		Middleware:           []rivertype.Middleware{traceAndCountJobs(tracer, m, j.stopping.Load, d.log)},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("creating the River client: %w", err)
@@ -128,7 +131,8 @@ func newJobs(d jobDeps, cfg jobsConfig, softStop time.Duration, instanceID strin
 			subscribers[s.event] = append(subscribers[s.event], s.job)
 		}
 	}
-	return &jobs{client: client, subscribers: subscribers, tracer: tracer, log: d.log}, nil
+	j.client, j.subscribers = client, subscribers
+	return j, nil
 }
 
 // riverLogger routes River's own warnings and errors (it logs with slog)
@@ -230,13 +234,16 @@ func jobForEvent(kind string, ev outboxEvent) (river.JobArgs, error) {
 func (j *jobs) Start(ctx context.Context) error { return j.client.Start(context.WithoutCancel(ctx)) }
 
 // Stop is River's own soft stop: running jobs may finish for the
-// SoftStopTimeout given to newJobs, then River cancels them and logs so. A
-// cancelled job is not lost: River retries it later, here or on another
-// instance — so, like a force-closed request, it is a warning, not a failed
-// shutdown. Only when ctx, the hook's slice of the shutdown budget, ends
+// SoftStopTimeout given to newJobs, then River cancels them. A job cut off
+// this way is interrupted, not failed: River puts it back as available
+// without spending an attempt (River 0.44's interrupted state), it runs again
+// at once here or on another instance, and it is counted
+// kumiko_jobs_total{result="interrupted"} — like a force-closed request, a
+// warning, not a failed shutdown. Only when ctx, the hook's slice of the shutdown budget, ends
 // first are the jobs cancelled here. Stop of an unstarted client returns at
 // once.
 func (j *jobs) Stop(ctx context.Context) error {
+	j.stopping.Store(true)
 	err := j.client.Stop(ctx)
 	if err == nil || ctx.Err() == nil {
 		return err

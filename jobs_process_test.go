@@ -321,7 +321,7 @@ func TestProcessJobsAcrossADrain(t *testing.T) {
 	}
 	b := startAs(t, env, "b")
 	b.waitReady()
-	// River retries it after its backoff (a few seconds for a first retry).
+	// Interrupted, not failed: it is available again at once, with no attempt spent.
 	waitFor(t, 30*time.Second, "the stopped job to run again and complete", func() bool { return jobState(t, pool, long) == "completed" })
 }
 

@@ -9,6 +9,7 @@ import (
 	"github.com/labstack/echo/v4"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/rivertype"
+	"github.com/sirupsen/logrus"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
@@ -75,7 +76,11 @@ func deliverySpan(ctx context.Context, tracer trace.Tracer, ev outboxEvent) []by
 
 // traceAndCountJobs is River worker middleware: every job runs in a span that
 // continues the trace in its metadata, and is counted and timed.
-func traceAndCountJobs(tracer trace.Tracer, m *metrics) rivertype.Middleware {
+//
+// A job whose context was cancelled while the client stops (stopping) was
+// interrupted by the drain: River puts it back without spending an attempt,
+// and it is counted and logged as interrupted, not failed.
+func traceAndCountJobs(tracer trace.Tracer, m *metrics, stopping func() bool, log *logrus.Entry) rivertype.Middleware {
 	return river.WorkerMiddlewareFunc(func(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error) error {
 		var meta struct {
 			Traceparent string `json:"traceparent"`
@@ -87,7 +92,13 @@ func traceAndCountJobs(tracer trace.Tracer, m *metrics) rivertype.Middleware {
 		start := time.Now()
 		err := doInner(ctx)
 		result := "ok"
-		if err != nil {
+		switch {
+		case err != nil && ctx.Err() != nil && stopping():
+			result = "interrupted"
+			span.SetAttributes(attribute.Bool("job.interrupted", true))
+			log.WithFields(logrus.Fields{"event": "job_interrupted", "job_id": job.ID, "kind": job.Kind, "attempt": job.Attempt}).
+				Info("job interrupted by the drain: back in the queue, no attempt spent")
+		case err != nil:
 			result = "failed"
 			span.SetStatus(codes.Error, err.Error())
 		}

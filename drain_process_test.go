@@ -1,8 +1,10 @@
 package main
 
-// The adaptive linger, at the process level: it ends when the load balancer
-// has visibly stopped sending (ended=quiet), not before one probe period,
-// and never after KUMIKO_LINGER (ended=max).
+// The drain beyond its anchors, at the process level: the adaptive linger
+// ends when the load balancer has visibly stopped sending (ended=quiet), not
+// before one probe period, and never after KUMIKO_LINGER (ended=max); past
+// it, new clients are refused or told to retry (KUMIKO_DRAIN_REJECT); a job
+// the drain interrupts spends no attempt.
 
 import (
 	"context"
@@ -10,6 +12,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 )
 
 // lingerEnded waits for the drain's linger line and returns it.
@@ -136,4 +141,46 @@ func TestDrainRejectModes(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A job the drain cuts off is interrupted, not failed: River puts it back
+// without spending an attempt, so a one-attempt job runs again on the other
+// instance and completes, and the drain says so (event=job_interrupted).
+func TestProcessInterruptedJobSpendsNoAttempt(t *testing.T) {
+	t.Parallel()
+	env := leaderEnv(t)
+	env["KUMIKO_LINGER"] = "0"
+	env["KUMIKO_DRAIN_TIMEOUT"] = "200ms"
+	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "1500ms"
+	a := startAs(t, env, "a")
+	a.waitReady()
+	pool := sharedPool(t, env)
+	inserter, err := river.NewClient(riverpgxv5.New(pool), &river.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := inserter.Insert(context.Background(), sleepArgs{Ms: 5000}, &river.InsertOpts{MaxAttempts: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := res.Job.ID
+	waitFor(t, 10*time.Second, "the one-attempt job running on a", func() bool { return jobState(t, pool, id) == "running" })
+	a.signal(syscall.SIGTERM)
+	if code := a.wait(5 * time.Second); code != 0 {
+		t.Errorf("exit code %d", code)
+	}
+	a.waitLog(time.Second, map[string]any{"event": "job_interrupted", "job_id": id})
+	var state string
+	var attempt, failures int
+	if err := pool.QueryRow(context.Background(), `SELECT state, attempt, coalesce(array_length(errors, 1), 0) FROM river_job WHERE id = $1`, id).
+		Scan(&state, &attempt, &failures); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("after the drain: state %s, attempt %d, errors %d", state, attempt, failures)
+	if state != "available" || attempt != 0 || failures != 0 {
+		t.Errorf("the interrupted job is %s at attempt %d with %d errors; want available, 0, 0", state, attempt, failures)
+	}
+	b := startAs(t, env, "b")
+	b.waitReady()
+	waitFor(t, 30*time.Second, "the interrupted job to complete on b", func() bool { return jobState(t, pool, id) == "completed" })
 }
