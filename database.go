@@ -35,12 +35,21 @@ func (a *app) dbConnect(ctx context.Context, p *phaseRun) error {
 		return fmt.Errorf("creating the pool: %w", err)
 	}
 	pool.Store(created)
-	if err := a.connectWithRetry(ctx, p, "postgres", created.Ping); err != nil {
+	// The readiness probe's own connection is made here too, in the connect
+	// window, so the first probe (phase 16) does not pay for a connection.
+	probe := &dbProbe{config: poolCfg.ConnConfig, pool: created}
+	connect := func(ctx context.Context) error {
+		if err := created.Ping(ctx); err != nil {
+			return err
+		}
+		return probe.warm(ctx)
+	}
+	if err := a.connectWithRetry(ctx, p, "postgres", connect); err != nil {
+		probe.close()
 		created.Close()
 		return err
 	}
 	a.db = created
-	probe := &dbProbe{config: poolCfg.ConnConfig, pool: created}
 	// Close waits for acquired connections to be released, so in-flight
 	// queries finish first; a hung server holds the drain no longer than poolClose.
 	a.lc.RegisterShutdownHook("db", within(a.timeouts.poolClose, func(ctx context.Context) error {
@@ -219,6 +228,13 @@ func (p *dbProbe) ping(ctx context.Context) error {
 		return fmt.Errorf("pinging the database: %w", err)
 	}
 	return nil
+}
+
+// warm makes the probe's connection ahead of the first probe.
+func (p *dbProbe) warm(ctx context.Context) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.ping(ctx)
 }
 
 func (p *dbProbe) close() {
