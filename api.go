@@ -44,6 +44,7 @@ func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, hc htt
 		return apiError(http.StatusServiceUnavailable, "starting", "available once the boot has reached phase apiListener")
 	}
 	admin.GET("/workers", starting)
+	admin.GET("/orders", starting)
 	admin.POST("/jobs/:name/run", starting)
 	addPprofRoutes(e.Group("/debug/pprof", requireBearer(adminToken)))
 }
@@ -51,14 +52,16 @@ func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, hc htt
 // mountAdminRoutes adds, in phase 15, the admin routes whose dependencies the
 // later phases created. net/http's ServeMux may gain routes while it serves,
 // and its longer patterns win over the ops echo at "/".
-func mountAdminRoutes(mux *http.ServeMux, e *echo.Echo, adminToken string, rdb *redis.Client, j *jobs) {
+func mountAdminRoutes(mux *http.ServeMux, e *echo.Echo, adminToken string, rdb *redis.Client, j *jobs, searchOrders echo.HandlerFunc) {
 	if adminToken == "" {
 		return
 	}
 	admin := e.Group("/admin", requireBearer(adminToken))
 	admin.GET("/workers", handleWorkers(rdb))
 	admin.POST("/jobs/:name/run", handleRunJob(j))
+	admin.GET("/orders", searchOrders) // names and items: personal data stays off the public port
 	mux.Handle("/admin/workers", e)
+	mux.Handle("/admin/orders", e)
 	mux.Handle("/admin/jobs/", e)
 }
 

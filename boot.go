@@ -234,7 +234,8 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	}
 	a.api = api
 
-	mountAdminRoutes(a.opsRoutes, newEcho(a.log, a.metrics, "ops"), a.cfg.AdminToken, a.redis, a.jobs)
+	mountAdminRoutes(a.opsRoutes, newEcho(a.log, a.metrics, "ops"), a.cfg.AdminToken, a.redis, a.jobs,
+		handleSearchOrders(a.db, a.search, a.log.WithField("component", "orders")))
 	return nil
 }
 

@@ -68,7 +68,7 @@ func (a *app) registerFeatures() []feature {
 				}},
 				{method: http.MethodGet, path: "/api/orders/:id", handler: func() echo.HandlerFunc { return handleGetOrder(a.db) }},
 				{method: http.MethodGet, path: "/api/orders", handler: func() echo.HandlerFunc {
-					return handleListOrders(a.db, a.search, a.log.WithField("component", "orders"))
+					return handleListOrders(a.db)
 				}},
 			},
 		},
