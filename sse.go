@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/url"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -509,9 +511,9 @@ func (h *sseHub) closeStreams(drain, hard context.Context) (asked, forced int, e
 // reads one page of streamPage events at a time.
 func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		lastID := c.Request().Header.Get("Last-Event-ID")
-		if lastID == "" {
-			lastID = c.QueryParam("lastEventId")
+		lastID, resuming, err := lastEventID(c.Request())
+		if err != nil {
+			return err
 		}
 		// The controller must reach net/http's writer: echo.Response is an
 		// http.Flusher that swallows flush errors.
@@ -524,7 +526,7 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string)
 		defer h.release(s)
 		ctx := s.ctx
 		var reset []byte
-		if lastID != "" {
+		if resuming {
 			r, err := resumePoint(ctx, db, lastID)
 			if err != nil {
 				return err
@@ -548,7 +550,7 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string)
 		// time; feed frames that arrive meanwhile are skipped below if
 		// already sent. A new client (no Last-Event-ID) starts at the feed's
 		// position and needs no replay.
-		for err == nil && lastID != "" {
+		for err == nil && resuming {
 			var events []outboxEvent
 			if events, err = h.replayPage(ctx, cursor); err != nil {
 				break
@@ -655,20 +657,60 @@ type resume struct {
 	from      int64 // after a reset: the newest delivered event, where the stream goes on from (0: none)
 }
 
+// lastEventID is where the client asks its stream to resume: the
+// Last-Event-ID header, else ?lastEventId= (an EventSource cannot set the
+// header on its first connection). 0 means "from the beginning": everything
+// the outbox still keeps. resuming is false when neither was given.
+func lastEventID(r *http.Request) (id int64, resuming bool, err error) {
+	v, ok := r.Header["Last-Event-Id"] // canonical form of Last-Event-ID
+	if !ok {
+		query, err := url.ParseQuery(r.URL.RawQuery)
+		if err != nil {
+			return 0, false, apiError(http.StatusBadRequest, "invalid_query", "the query string is not valid URL encoding")
+		}
+		if v, ok = query["lastEventId"]; !ok {
+			return 0, false, nil
+		}
+	}
+	switch {
+	case len(v) != 1:
+		return 0, false, apiError(http.StatusBadRequest, "invalid_last_event_id", "Last-Event-ID: give it once")
+	case v[0] == "": // what an EventSource that has seen no id would mean
+		return 0, false, nil
+	}
+	id, err = parseLastEventID(v[0])
+	return id, err == nil, err
+}
+
+// parseLastEventID reads an event id: decimal digits only (no sign, no
+// spaces, no "0x"), at most an int64; 0 asks for every event still kept.
+func parseLastEventID(s string) (int64, error) {
+	invalid := apiError(http.StatusBadRequest, "invalid_last_event_id",
+		"Last-Event-ID: must be an event id (digits), or 0 to replay from the beginning")
+	if s == "" || strings.IndexFunc(s, func(r rune) bool { return r < '0' || r > '9' }) >= 0 {
+		return 0, invalid
+	}
+	id, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		return 0, invalid
+	}
+	return id, nil
+}
+
 // resumePoint finds where in the delivery order the client's last event was.
 // An id that is gone although later ones exist was deleted by the outbox
 // retention (or never committed): what the client missed cannot be replayed,
-// so the stream resets to the newest delivered event.
-func resumePoint(ctx context.Context, db *pgxpool.Pool, lastID string) (resume, error) {
-	id, err := strconv.ParseInt(lastID, 10, 64)
-	if err != nil || id < 1 {
-		return resume{}, apiError(http.StatusBadRequest, "invalid_last_event_id", "Last-Event-ID must be an event id")
-	}
+// so the stream resets to the newest delivered event. Id 0 is before every
+// event: the replay starts at the oldest one kept.
+func resumePoint(ctx context.Context, db *pgxpool.Pool, id int64) (resume, error) {
 	r := resume{requested: id}
+	if id == 0 {
+		return r, nil
+	}
 	var seq *int64
 	var found bool
 	var maxID int64
-	err = db.QueryRow(ctx, `SELECT
+	err := db.QueryRow(ctx, `SELECT
 			EXISTS (SELECT 1 FROM outbox_events WHERE id = $1),
 			(SELECT delivery_seq FROM outbox_events WHERE id = $1),
 			coalesce((SELECT min(id) FROM outbox_events), 0),
