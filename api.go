@@ -32,8 +32,10 @@ import (
 // them in phase 15.
 func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, hc httpConfig, adminToken string) {
 	e.Use(bodyReadDeadline(hc.ReadTimeout)) // nothing on this port streams
-	e.GET("/health", handleLive())
-	e.GET("/health/ready", handleReady(rd, true))
+	// HEAD answers like GET (net/http drops the body): monitors and load
+	// balancers probe with either.
+	e.Match(getHead(), "/health", handleLive())
+	e.Match(getHead(), "/health/ready", handleReady(rd, true))
 	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{Registry: m.registry})))
 	if adminToken == "" {
 		return // no token configured: admin routes are off, not open
@@ -89,9 +91,9 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 	if hc.RateLimit > 0 {
 		limit = append(limit, rateLimit(newIPRateLimiter(hc.RateLimit, hc.RateBurst, maxRateLimitedIPs)))
 	}
-	e.GET("/health", handleLive())
-	e.GET("/health/ready", handleReady(rd, false))
-	e.GET("/", handleDashboard(), limit...)
+	e.Match(getHead(), "/health", handleLive())
+	e.Match(getHead(), "/health/ready", handleReady(rd, false))
+	e.Match(getHead(), "/", handleDashboard(), limit...)
 	for _, f := range features {
 		for _, r := range f.routes {
 			chain := []echo.MiddlewareFunc{admitWhenServing(lc)}
@@ -107,6 +109,9 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 		}
 	}
 }
+
+// getHead is the methods of a route that HEAD must answer like GET.
+func getHead() []string { return []string{http.MethodGet, http.MethodHead} }
 
 // ---------------------------------------------------------------------------
 // Servers

@@ -783,7 +783,12 @@ func parseDuration(s string) (time.Duration, error) {
 
 // Connection strings.
 
-// redactConnString returns a connection URL that is safe to log.
+// redactConnString returns a connection URL that is safe to show (the
+// config log line, phase notes, /admin/lifecycle, readiness bodies): the
+// password of its userinfo, an HTTP userinfo that is a user alone (then it is
+// a token, as in https://<token>@host) and every token-like query parameter
+// (secretQueryParam) become xxxxx. A user with a password is shown: it is a
+// name, not a secret.
 func redactConnString(s string) string {
 	if s == "" {
 		return ""
@@ -792,26 +797,73 @@ func redactConnString(s string) string {
 	if err != nil {
 		return redactedMark // no telling where a password might be
 	}
-	// Postgres drivers also take the password as a query parameter.
-	if q := u.Query(); q.Has("password") {
-		q.Set("password", "xxxxx")
-		u.RawQuery = q.Encode()
+	if loneUserIsToken(u) {
+		u.User = url.User("xxxxx")
+	}
+	if q := u.Query(); u.RawQuery != "" {
+		redacted := false
+		for name := range q {
+			if secretQueryParam(name) {
+				q[name] = []string{"xxxxx"}
+				redacted = true
+			}
+		}
+		if redacted {
+			u.RawQuery = q.Encode()
+		}
 	}
 	return u.Redacted()
 }
 
-// connPasswords returns the passwords in a connection URL.
+// loneUserIsToken reports an HTTP URL whose userinfo is a user without a
+// password: such a user is an API token (https://<token>@host). A database
+// URL's lone user is a role name.
+func loneUserIsToken(u *url.URL) bool {
+	if u.User == nil || u.User.Username() == "" || (u.Scheme != "http" && u.Scheme != "https") {
+		return false
+	}
+	_, hasPassword := u.User.Password()
+	return !hasPassword
+}
+
+// secretQueryParam reports a query parameter that carries a credential:
+// Postgres drivers take the password as one, and services take API keys,
+// tokens and signatures as ?key=, ?token=, ?api_key=, ?access_token=,
+// ?secret=, ?sig= and the like.
+func secretQueryParam(name string) bool {
+	name = strings.ToLower(name)
+	for _, part := range []string{"pass", "pwd", "token", "key", "secret", "sig", "auth", "credential"} {
+		if strings.Contains(name, part) {
+			return true
+		}
+	}
+	return false
+}
+
+// connPasswords returns the secrets in a connection URL: the userinfo's
+// password (or the user alone, which is then a token) and the values of
+// token-like query parameters, for the log's redact hook to scrub wherever
+// they turn up (a driver's error text repeats its URL).
 func connPasswords(s string) []string {
 	u, err := url.Parse(s)
 	if err != nil {
 		return nil
 	}
 	var passwords []string
-	if pw, _ := u.User.Password(); pw != "" {
-		passwords = append(passwords, pw)
+	if pw, ok := u.User.Password(); ok && pw != "" {
+		passwords = append(passwords, pw, url.QueryEscape(pw))
+	} else if loneUserIsToken(u) {
+		passwords = append(passwords, u.User.Username())
 	}
-	if pw := u.Query().Get("password"); pw != "" {
-		passwords = append(passwords, pw)
+	for name, values := range u.Query() {
+		if !secretQueryParam(name) {
+			continue
+		}
+		for _, v := range values {
+			if v != "" {
+				passwords = append(passwords, v, url.QueryEscape(v))
+			}
+		}
 	}
 	return passwords
 }
