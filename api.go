@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"crypto/sha256"
 	"crypto/subtle"
 	"errors"
@@ -143,6 +144,8 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 		// writes their own write deadline.
 		srv: &http.Server{Handler: h, ReadHeaderTimeout: hc.ReadHeaderTimeout, IdleTimeout: hc.IdleTimeout,
 			MaxHeaderBytes: maxHeaderBytes, ConnState: silent.track,
+			// A handler that must tune its socket (the event stream) finds it here.
+			ConnContext: func(ctx context.Context, c net.Conn) context.Context { return context.WithValue(ctx, connKey{}, c) },
 			// net/http's own complaints (bad handshakes, header timeouts) join the structured log.
 			ErrorLog: stdlog.New(warnWriter{log.WithField("component", name)}, "", 0)},
 		addr:   ln.Addr(),
@@ -158,6 +161,9 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 	log.WithFields(logrus.Fields{"component": name, "addr": s.addr.String()}).Info("listening")
 	return s, nil
 }
+
+// connKey is the request context key of the connection a request came on.
+type connKey struct{}
 
 // silentConns are the connections that have not sent a whole request header
 // yet (http.StateNew), each with the moment it was accepted.

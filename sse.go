@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"net/url"
 	"os"
@@ -27,6 +28,24 @@ const hubPage = 500
 // streamPage bounds one replay read by a stream handler: what a reader that
 // stopped reading can hold, however far back its Last-Event-ID points.
 const streamPage = 100
+
+// sendChunk and sendBuffer make the write timeout a progress floor: a stream
+// is dropped when fewer than about sendChunk bytes reach its client within
+// KUMIKO_SSE_WRITE_TIMEOUT (1.6 KB/s at the default 10 s), not when one write
+// waited that long. Two things made a single write wait far longer than its
+// bytes need at a steady slow reader: a write of everything pending at once
+// (up to streamBuffer frames, about 1 MB), and the kernel, which wakes a
+// writer blocked on a full send buffer only when a third of it is free again
+// — of a buffer autotuned up to tcp_wmem's 4 MB, that was 1.3 MB, so every
+// reader below ~130 KB/s was cut after the timeout. So writes go out in
+// chunks of sendChunk, each with its own deadline, and a stream's socket
+// keeps a fixed send buffer of sendBuffer (the kernel doubles it; a blocked
+// write wakes once about 5 KB of it drained). The price: a stream moves at
+// most about 16 KB per round trip (320 KB/s at 50 ms), plenty for events.
+const (
+	sendChunk  = 16 << 10
+	sendBuffer = 8 << 10
+)
 
 // streamBuffer is how far (in events) a stream may fall behind the hub before
 // it is closed; its client reconnects with Last-Event-ID and loses nothing. It
@@ -165,15 +184,13 @@ func (s *sseStream) flush() error {
 	return nil
 }
 
-// sendFrames writes the feed frames after *cursor and flushes them, under one
-// write deadline; *cursor moves to the last one. The frames are gathered into
-// one Write: net/http's buffers are 2 and 4 KB, and frames written one by one
-// would leave in a system call per 4 KB, a call that costs the same for 300
-// bytes or 30 KB. The oldest frame's age is the stream's send lag.
+// sendFrames writes the feed frames after *cursor and flushes them, a
+// deadline per sendChunk bytes; *cursor moves to the last one. The frames are
+// gathered into chunks of sendChunk: net/http's buffers are 2 and 4 KB, and
+// frames written one by one would leave in a system call per 4 KB, a call
+// that costs the same for 300 bytes or 16 KB. The oldest frame's age is the
+// stream's send lag.
 func (h *sseHub) sendFrames(s *sseStream, w http.ResponseWriter, frames []feedFrame, cursor *int64) error {
-	if err := s.arm(); err != nil {
-		return err
-	}
 	buf, _ := h.sendBuffers.Get().(*[]byte)
 	if buf == nil {
 		buf = new([]byte)
@@ -195,14 +212,30 @@ func (h *sseHub) sendFrames(s *sseStream, w http.ResponseWriter, frames []feedFr
 	if len(out) == 0 {
 		return nil
 	}
-	if _, err := w.Write(out); err != nil {
-		return fmt.Errorf("writing to the event stream: %w", err)
+	for len(out) > 0 {
+		n := min(len(out), sendChunk)
+		if err := s.arm(); err != nil { // a deadline per chunk: judged by progress
+			return err
+		}
+		if _, err := w.Write(out[:n]); err != nil {
+			return fmt.Errorf("writing to the event stream: %w", err)
+		}
+		out = out[n:]
 	}
-	if err := s.rc.Flush(); err != nil {
-		return fmt.Errorf("flushing the event stream: %w", err)
+	if err := s.flush(); err != nil {
+		return err
 	}
 	h.metrics.sseSendLag.Observe(time.Since(oldest).Seconds())
 	return nil
+}
+
+// limitSendBuffer gives a stream's socket a fixed send buffer of sendBuffer,
+// so a blocked write wakes after a few KB reached the client instead of a
+// third of a buffer the kernel may have grown to megabytes (see sendChunk).
+func limitSendBuffer(ctx context.Context) {
+	if tc, ok := ctx.Value(connKey{}).(*net.TCPConn); ok {
+		_ = tc.SetWriteBuffer(sendBuffer) // best effort: the chunked writes still bound each wait
+	}
 }
 
 // send writes frames and flushes them.
@@ -515,6 +548,7 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string)
 		if err != nil {
 			return err
 		}
+		limitSendBuffer(c.Request().Context())
 		// The controller must reach net/http's writer: echo.Response is an
 		// http.Flusher that swallows flush errors.
 		rc := http.NewResponseController(c.Response().Unwrap())
