@@ -850,8 +850,15 @@ func connPasswords(s string) []string {
 		return nil
 	}
 	var passwords []string
+	// A value is scrubbed as given and as it appears inside a URL.
+	add := func(v string) {
+		passwords = append(passwords, v)
+		if esc := url.QueryEscape(v); esc != v {
+			passwords = append(passwords, esc)
+		}
+	}
 	if pw, ok := u.User.Password(); ok && pw != "" {
-		passwords = append(passwords, pw, url.QueryEscape(pw))
+		add(pw)
 	} else if loneUserIsToken(u) {
 		passwords = append(passwords, u.User.Username())
 	}
@@ -861,7 +868,7 @@ func connPasswords(s string) []string {
 		}
 		for _, v := range values {
 			if v != "" {
-				passwords = append(passwords, v, url.QueryEscape(v))
+				add(v)
 			}
 		}
 	}
