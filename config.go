@@ -247,7 +247,7 @@ func (c *config) settings() []configSetting {
 		{key: "sse.retry", env: "KUMIKO_SSE_RETRY", def: "1s", value: durationValue{p: &c.SSE.RetryHint},
 			doc: "the retry: hint a client waits before reconnecting", old: "sse.retrySec"},
 		{key: "sse.writeTimeout", env: "KUMIKO_SSE_WRITE_TIMEOUT", def: "10s", value: durationValue{p: &c.SSE.WriteTimeout},
-			doc: "a stream write the client does not take within this ends the stream, so a stalled reader cannot pin a handler", old: "sse.writeTimeoutSec"},
+			doc: "a stream that moves less than 16 KB to its client within this is dropped: a stalled reader cannot pin a handler, a slow steady one is not cut", old: "sse.writeTimeoutSec"},
 		{key: "sse.maxStreamsPerIp", env: "KUMIKO_SSE_MAX_STREAMS_PER_IP", def: "20", value: uintValue{p: &c.SSE.MaxStreamsPerIP},
 			doc: "open streams per client address; beyond, 429; 0 turns the cap off"},
 
