@@ -35,8 +35,10 @@ import (
 // them in phase 15.
 func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, hc httpConfig, adminToken string) {
 	e.Use(bodyReadDeadline(hc.ReadTimeout)) // nothing on this port streams
-	e.GET("/health", handleLive())
-	e.GET("/health/ready", handleReady(rd, true))
+	// HEAD answers like GET (net/http drops the body): monitors and load
+	// balancers probe with either.
+	e.Match(getHead(), "/health", handleLive())
+	e.Match(getHead(), "/health/ready", handleReady(rd, true))
 	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{Registry: m.registry})))
 	if adminToken == "" {
 		return // no token configured: admin routes are off, not open
@@ -47,6 +49,7 @@ func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, hc htt
 		return apiError(http.StatusServiceUnavailable, "starting", "available once the boot has reached phase apiListener")
 	}
 	admin.GET("/workers", starting)
+	admin.GET("/orders", starting)
 	admin.POST("/jobs/:name/run", starting)
 	addPprofRoutes(e.Group("/debug/pprof", requireBearer(adminToken)))
 }
@@ -55,14 +58,17 @@ func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, hc htt
 // later phases created. net/http's ServeMux may gain routes while it serves,
 // and its longer patterns win over the ops echo at "/". Their Redis and
 // database calls share one request budget, like the API's.
-func mountAdminRoutes(mux *http.ServeMux, e *echo.Echo, adminToken string, budget time.Duration, rdb *redis.Client, j *jobs) {
+func mountAdminRoutes(mux *http.ServeMux, e *echo.Echo, adminToken string, budget time.Duration, rdb *redis.Client, j *jobs,
+	searchOrders echo.HandlerFunc) {
 	if adminToken == "" {
 		return
 	}
 	admin := e.Group("/admin", requireBearer(adminToken), withDeadline(budget))
 	admin.GET("/workers", handleWorkers(rdb))
 	admin.POST("/jobs/:name/run", handleRunJob(j))
+	admin.GET("/orders", searchOrders) // names and items: personal data stays off the public port
 	mux.Handle("/admin/workers", e)
+	mux.Handle("/admin/orders", e)
 	mux.Handle("/admin/jobs/", e)
 }
 
@@ -90,9 +96,9 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 	if hc.RateLimit > 0 {
 		limit = append(limit, rateLimit(newIPRateLimiter(hc.RateLimit, hc.RateBurst, maxRateLimitedIPs)))
 	}
-	e.GET("/health", handleLive())
-	e.GET("/health/ready", handleReady(rd, false))
-	e.GET("/", handleDashboard(), limit...)
+	e.Match(getHead(), "/health", handleLive())
+	e.Match(getHead(), "/health/ready", handleReady(rd, false))
+	e.Match(getHead(), "/", handleDashboard(), limit...)
 	for _, f := range features {
 		for _, r := range f.routes {
 			chain := []echo.MiddlewareFunc{admitWhenServing(lc)}
@@ -108,6 +114,9 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 		}
 	}
 }
+
+// getHead is the methods of a route that HEAD must answer like GET.
+func getHead() []string { return []string{http.MethodGet, http.MethodHead} }
 
 // ---------------------------------------------------------------------------
 // Servers
@@ -147,6 +156,8 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 		// writes their own write deadline.
 		srv: &http.Server{Handler: clients.observe(h), ReadHeaderTimeout: hc.ReadHeaderTimeout, IdleTimeout: hc.IdleTimeout,
 			MaxHeaderBytes: maxHeaderBytes, ConnState: connState,
+			// A handler that must tune its socket (the event stream) finds it here.
+			ConnContext: func(ctx context.Context, c net.Conn) context.Context { return context.WithValue(ctx, connKey{}, c) },
 			// net/http's own complaints (bad handshakes, header timeouts) join the structured log.
 			ErrorLog: stdlog.New(warnWriter{log.WithField("component", name)}, "", 0)},
 		addr:    ln.Addr(),
@@ -197,6 +208,9 @@ func (t *traffic) observe(h http.Handler) http.Handler {
 		h.ServeHTTP(w, r)
 	})
 }
+
+// connKey is the request context key of the connection a request came on.
+type connKey struct{}
 
 // silentConns are the connections that have not sent a whole request header
 // yet (http.StateNew), each with the moment it was accepted.

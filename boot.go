@@ -235,7 +235,8 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	}
 	a.api = api
 
-	mountAdminRoutes(a.opsRoutes, newEcho(a.log, a.metrics, "ops"), a.cfg.AdminToken, a.timeouts.request, a.redis, a.jobs)
+	mountAdminRoutes(a.opsRoutes, newEcho(a.log, a.metrics, "ops"), a.cfg.AdminToken, a.timeouts.request, a.redis, a.jobs,
+		handleSearchOrders(a.db, a.search, a.timeouts, a.log.WithField("component", "orders")))
 	return nil
 }
 

@@ -265,7 +265,7 @@ func (c *config) settings() []configSetting {
 		{key: "sse.retry", env: "KUMIKO_SSE_RETRY", def: "1s", value: durationValue{p: &c.SSE.RetryHint},
 			doc: "the retry: hint a client waits before reconnecting", old: "sse.retrySec"},
 		{key: "sse.writeTimeout", env: "KUMIKO_SSE_WRITE_TIMEOUT", def: "10s", value: durationValue{p: &c.SSE.WriteTimeout},
-			doc: "a stream write the client does not take within this ends the stream, so a stalled reader cannot pin a handler", old: "sse.writeTimeoutSec"},
+			doc: "a stream that moves less than 16 KB to its client within this is dropped: a stalled reader cannot pin a handler, a slow steady one is not cut", old: "sse.writeTimeoutSec"},
 		{key: "sse.maxStreamsPerIp", env: "KUMIKO_SSE_MAX_STREAMS_PER_IP", def: "20", value: uintValue{p: &c.SSE.MaxStreamsPerIP},
 			doc: "open streams per client address; beyond, 429; 0 turns the cap off"},
 
@@ -807,7 +807,12 @@ func parseDuration(s string) (time.Duration, error) {
 
 // Connection strings.
 
-// redactConnString returns a connection URL that is safe to log.
+// redactConnString returns a connection URL that is safe to show (the
+// config log line, phase notes, /admin/lifecycle, readiness bodies): the
+// password of its userinfo, an HTTP userinfo that is a user alone (then it is
+// a token, as in https://<token>@host) and every token-like query parameter
+// (secretQueryParam) become xxxxx. A user with a password is shown: it is a
+// name, not a secret.
 func redactConnString(s string) string {
 	if s == "" {
 		return ""
@@ -816,26 +821,80 @@ func redactConnString(s string) string {
 	if err != nil {
 		return redactedMark // no telling where a password might be
 	}
-	// Postgres drivers also take the password as a query parameter.
-	if q := u.Query(); q.Has("password") {
-		q.Set("password", "xxxxx")
-		u.RawQuery = q.Encode()
+	if loneUserIsToken(u) {
+		u.User = url.User("xxxxx")
+	}
+	if q := u.Query(); u.RawQuery != "" {
+		redacted := false
+		for name := range q {
+			if secretQueryParam(name) {
+				q[name] = []string{"xxxxx"}
+				redacted = true
+			}
+		}
+		if redacted {
+			u.RawQuery = q.Encode()
+		}
 	}
 	return u.Redacted()
 }
 
-// connPasswords returns the passwords in a connection URL.
+// loneUserIsToken reports an HTTP URL whose userinfo is a user without a
+// password: such a user is an API token (https://<token>@host). A database
+// URL's lone user is a role name.
+func loneUserIsToken(u *url.URL) bool {
+	if u.User == nil || u.User.Username() == "" || (u.Scheme != "http" && u.Scheme != "https") {
+		return false
+	}
+	_, hasPassword := u.User.Password()
+	return !hasPassword
+}
+
+// secretQueryParam reports a query parameter that carries a credential:
+// Postgres drivers take the password as one, and services take API keys,
+// tokens and signatures as ?key=, ?token=, ?api_key=, ?access_token=,
+// ?secret=, ?sig= and the like.
+func secretQueryParam(name string) bool {
+	name = strings.ToLower(name)
+	for _, part := range []string{"pass", "pwd", "token", "key", "secret", "sig", "auth", "credential"} {
+		if strings.Contains(name, part) {
+			return true
+		}
+	}
+	return false
+}
+
+// connPasswords returns the secrets in a connection URL: the userinfo's
+// password (or the user alone, which is then a token) and the values of
+// token-like query parameters, for the log's redact hook to scrub wherever
+// they turn up (a driver's error text repeats its URL).
 func connPasswords(s string) []string {
 	u, err := url.Parse(s)
 	if err != nil {
 		return nil
 	}
 	var passwords []string
-	if pw, _ := u.User.Password(); pw != "" {
-		passwords = append(passwords, pw)
+	// A value is scrubbed as given and as it appears inside a URL.
+	add := func(v string) {
+		passwords = append(passwords, v)
+		if esc := url.QueryEscape(v); esc != v {
+			passwords = append(passwords, esc)
+		}
 	}
-	if pw := u.Query().Get("password"); pw != "" {
-		passwords = append(passwords, pw)
+	if pw, ok := u.User.Password(); ok && pw != "" {
+		add(pw)
+	} else if loneUserIsToken(u) {
+		passwords = append(passwords, u.User.Username())
+	}
+	for name, values := range u.Query() {
+		if !secretQueryParam(name) {
+			continue
+		}
+		for _, v := range values {
+			if v != "" {
+				add(v)
+			}
+		}
 	}
 	return passwords
 }

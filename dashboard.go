@@ -10,7 +10,6 @@ import (
 	"math"
 	"net/http"
 	"regexp"
-	"strconv"
 	"sync"
 	"time"
 
@@ -329,21 +328,27 @@ func (sp *statusPublisher) snapshot(state string) instanceStatus {
 		RPS: math.Round(sp.rps*10) / 10, Phases: phases, Drain: append([]drainStep{}, sp.drain...), UpdatedAt: now.UnixMilli()}
 }
 
+// statusScript writes an instance's status record (KEYS[1], ARGV[1], TTL
+// ARGV[2] ms) and its entry in the index (KEYS[2], member ARGV[3]). The index
+// lists the records by expiry, so a reader needs no SCAN; every writer prunes
+// the expired entries, and the index expires (ARGV[4] ms) when no instance
+// writes any more. Expiries are Redis's clock (TIME), not the writer's: a
+// writer whose clock runs 5 s ahead would otherwise prune the others' records.
+var statusScript = redis.NewScript(`
+local t = redis.call("TIME")
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call("SET", KEYS[1], ARGV[1], "PX", ARGV[2])
+redis.call("ZADD", KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
+redis.call("ZREMRANGEBYSCORE", KEYS[2], "-inf", now)
+return redis.call("PEXPIRE", KEYS[2], ARGV[4])`)
+
 func (sp *statusPublisher) write(ctx context.Context, state string, ttl time.Duration) error {
 	data, err := json.Marshal(sp.snapshot(state))
 	if err != nil {
 		return fmt.Errorf("encoding the instance status: %w", err)
 	}
-	// The index lists the records by expiry, so a reader needs no SCAN; the
-	// writers prune it, and it expires when no instance writes any more.
-	now := time.Now()
-	_, err = sp.rdb.TxPipelined(ctx, func(pipe redis.Pipeliner) error {
-		pipe.Set(ctx, statusKeyPrefix+sp.instanceID, data, ttl)
-		pipe.ZAdd(ctx, statusIndexKey, redis.Z{Score: float64(now.Add(ttl).UnixMilli()), Member: sp.instanceID})
-		pipe.ZRemRangeByScore(ctx, statusIndexKey, "-inf", strconv.FormatInt(now.UnixMilli(), 10))
-		pipe.Expire(ctx, statusIndexKey, stoppedTTL)
-		return nil
-	})
+	err = statusScript.Run(ctx, sp.rdb, []string{statusKeyPrefix + sp.instanceID, statusIndexKey},
+		data, ttl.Milliseconds(), sp.instanceID, stoppedTTL.Milliseconds()).Err()
 	if err != nil {
 		return fmt.Errorf("writing the instance status: %w", err)
 	}

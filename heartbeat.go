@@ -30,6 +30,11 @@ type heartbeats struct {
 	metrics    *metrics
 	health     *readiness
 
+	// born is a monotonic reference: beats are stored as the time since it,
+	// so a heartbeat's age is monotonic time and a step of the wall clock
+	// (NTP, a VM resumed) cannot make a fresh beat look stale.
+	born time.Time
+
 	mu      sync.Mutex
 	handles []*heartbeat
 }
@@ -39,11 +44,11 @@ type heartbeat struct {
 	worker string
 	key    string
 	owner  *heartbeats
-	last   atomic.Int64 // unix nanoseconds of the last successful beat; 0 = never
+	last   atomic.Int64 // the last successful beat, as nanoseconds since owner.born plus 1; 0 = never
 }
 
 func newHeartbeats(rdb *redis.Client, instanceID string, ttl, timeout time.Duration, m *metrics, rd *readiness) *heartbeats {
-	hs := &heartbeats{rdb: rdb, instanceID: instanceID, ttl: ttl, timeout: timeout, metrics: m, health: rd}
+	hs := &heartbeats{rdb: rdb, instanceID: instanceID, ttl: ttl, timeout: timeout, metrics: m, health: rd, born: time.Now()}
 	m.registry.MustRegister(heartbeatAgeCollector{hs})
 	return hs
 }
@@ -99,32 +104,39 @@ func (b *beatLoop) run(ctx context.Context) {
 	}
 }
 
-// beat writes the key with the TTL; the value is the unix time of the beat.
-// SET with an expiry is SETEX with millisecond precision (PX), so tests can run
-// with sub-second TTLs.
-// A beat waits for Redis at most the owner's timeout, so a hung Redis stalls
-// no worker loop (and no stop waiting for one) for longer.
+// beatScript sets a heartbeat key with its TTL (PX, so tests can run with
+// sub-second TTLs); the value is Redis's own clock (TIME, unix seconds), so
+// every instance that reads the age compares it with that same clock, never
+// one host's wall clock with another's.
+var beatScript = redis.NewScript(`
+local now = redis.call("TIME")
+return redis.call("SET", KEYS[1], now[1], "PX", ARGV[1])`)
+
+// beat writes the key with the TTL. It waits for Redis at most the owner's
+// timeout, so a hung Redis stalls no worker loop (and no stop waiting for
+// one) for longer.
 func (h *heartbeat) beat(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, h.owner.timeout)
 	defer cancel()
-	now := time.Now()
-	err := h.owner.rdb.Set(ctx, h.key, now.Unix(), h.owner.ttl).Err()
+	sent := time.Since(h.owner.born)
+	err := beatScript.Run(ctx, h.owner.rdb, []string{h.key}, h.owner.ttl.Milliseconds()).Err()
 	if err != nil {
 		h.owner.metrics.heartbeatWritten.WithLabelValues(h.worker, "failed").Inc()
 		return fmt.Errorf("writing heartbeat %s: %w", h.key, err)
 	}
-	h.last.Store(now.UnixNano())
+	h.last.Store(int64(sent) + 1)
 	h.owner.metrics.heartbeatWritten.WithLabelValues(h.worker, "ok").Inc()
 	return nil
 }
 
-// age is the time since the last successful beat; ok is false before the first.
+// age is the time since the last successful beat, in monotonic time; ok is
+// false before the first.
 func (h *heartbeat) age() (time.Duration, bool) {
 	last := h.last.Load()
 	if last == 0 {
 		return 0, false
 	}
-	return time.Since(time.Unix(0, last)), true
+	return time.Since(h.owner.born) - time.Duration(last-1), true
 }
 
 // readinessCheck fails when this instance's own worker has not beaten within the TTL.
@@ -216,8 +228,13 @@ func readCluster(ctx context.Context, rdb *redis.Client) (cluster, error) {
 // record has not expired), then one MGET. A record that does not parse is
 // skipped: the page shows the others.
 func listInstances(ctx context.Context, rdb *redis.Client) ([]instanceStatus, error) {
+	// Expiries in the index are Redis's clock (statusScript): compared with it too.
+	now, err := rdb.Time(ctx).Result()
+	if err != nil {
+		return nil, fmt.Errorf("reading the Redis clock: %w", err)
+	}
 	ids, err := rdb.ZRangeByScore(ctx, statusIndexKey, &redis.ZRangeBy{
-		Min: strconv.FormatInt(time.Now().UnixMilli(), 10), Max: "+inf", Count: maxClusterInstances}).Result()
+		Min: strconv.FormatInt(now.UnixMilli(), 10), Max: "+inf", Count: maxClusterInstances}).Result()
 	if err != nil {
 		return nil, fmt.Errorf("reading the instance status index: %w", err)
 	}
@@ -247,6 +264,11 @@ func listInstances(ctx context.Context, rdb *redis.Client) ([]instanceStatus, er
 // listLiveWorkers reads every heartbeat key: the workers alive across all
 // instances right now (expired keys are gone by themselves).
 func listLiveWorkers(ctx context.Context, rdb *redis.Client) ([]liveWorker, error) {
+	// A beat's value is Redis's clock (beatScript): its age is measured on it too.
+	now, err := rdb.Time(ctx).Result()
+	if err != nil {
+		return nil, fmt.Errorf("reading the Redis clock: %w", err)
+	}
 	var workers []liveWorker
 	iter := rdb.Scan(ctx, 0, heartbeatKeyPrefix+"*", 100).Iterator()
 	for iter.Next(ctx) {
@@ -263,7 +285,7 @@ func listLiveWorkers(ctx context.Context, rdb *redis.Client) ([]liveWorker, erro
 			return nil, fmt.Errorf("reading %s: %w", key, err)
 		}
 		ts, _ := strconv.ParseInt(raw, 10, 64)
-		workers = append(workers, liveWorker{Worker: worker, InstanceID: instance, AgeSec: time.Now().Unix() - ts})
+		workers = append(workers, liveWorker{Worker: worker, InstanceID: instance, AgeSec: max(0, now.Unix()-ts)})
 	}
 	if err := iter.Err(); err != nil {
 		return nil, fmt.Errorf("scanning heartbeat keys: %w", err)

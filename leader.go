@@ -323,10 +323,6 @@ func currentLeader(ctx context.Context, rdb *redis.Client) (string, error) {
 // ---------------------------------------------------------------------------
 // The cron scheduler: it runs only inside elector.lead.
 
-// cronParser accepts standard 5-field specs, an optional seconds field, and
-// descriptors such as @hourly or @every 10s.
-var cronParser = cron.NewParser(cron.SecondOptional | cron.Minute | cron.Hour | cron.Dom | cron.Month | cron.Dow | cron.Descriptor)
-
 // scheduler enqueues the cron jobs of the feature graph (the report, the
 // outbox purge) at every tick of their schedules while this instance leads.
 // Each tick is inserted with a unique key (the tick's time) in a transaction
@@ -348,12 +344,12 @@ type scheduledJob struct {
 }
 
 // cronsOf collects the cron schedules every feature declared; bootValidation
-// has already parsed each spec.
+// has already checked each spec (cron.go).
 func cronsOf(features []feature) []scheduledJob {
 	var crons []scheduledJob
 	for _, f := range features {
 		for _, c := range f.crons {
-			crons = append(crons, scheduledJob{job: c.job, schedule: alignEvery(mustSchedule(c.spec))})
+			crons = append(crons, scheduledJob{job: c.job, schedule: mustSchedule(c.spec)})
 		}
 	}
 	return crons
@@ -435,11 +431,7 @@ func (s *scheduler) lead(ctx context.Context, token int64) error {
 				if err := s.enqueue(ctx, log, token, c.job, next[i]); err != nil {
 					return err
 				}
-				// Late (a paused process, a slow enqueue)? Skip to the newest
-				// due tick rather than fire a burst of stale ones.
-				now := time.Now()
-				for next[i] = c.schedule.Next(next[i]); !next[i].IsZero() && !c.schedule.Next(next[i]).After(now); next[i] = c.schedule.Next(next[i]) {
-				}
+				next[i] = followingTick(c.schedule, next[i], time.Now())
 			}
 			timer.Reset(time.Until(earliest(next)))
 		}
@@ -510,34 +502,4 @@ func (s *scheduler) enqueue(ctx context.Context, log *logrus.Entry, token int64,
 		log.WithField("tick", tick).WithError(err).Warn("enqueueing a cron job")
 	}
 	return nil
-}
-
-// alignEvery makes an "@every" schedule tick on multiples of its interval
-// (robfig counts it from whenever Next is asked), so every leader computes
-// the same tick times: the unique key (job, tick) then dedupes across a
-// take-over, and the take-over tick is a real tick. Other schedules are
-// already aligned to the clock.
-func alignEvery(s cron.Schedule) cron.Schedule {
-	if every, ok := s.(cron.ConstantDelaySchedule); ok && every.Delay > 0 {
-		return everySchedule(every.Delay)
-	}
-	return s
-}
-
-type everySchedule time.Duration
-
-func (e everySchedule) Next(t time.Time) time.Time {
-	return t.Truncate(time.Duration(e)).Add(time.Duration(e))
-}
-
-// previousTick is the newest tick at or before now, if it lies within one
-// interval of the schedule.
-func previousTick(s cron.Schedule, now time.Time) (time.Time, bool) {
-	next := s.Next(now)
-	interval := s.Next(next).Sub(next)
-	var prev time.Time
-	for t := s.Next(now.Add(-interval - time.Second)); !t.After(now); t = s.Next(t) {
-		prev = t
-	}
-	return prev, !prev.IsZero()
 }

@@ -359,6 +359,14 @@ func TestProcessSIGHUPIgnoredAndSecondSignalForces(t *testing.T) {
 	if took := time.Since(start); took > 2*time.Second {
 		t.Errorf("second signal took %s to exit; it must not wait for the 20s linger", took)
 	}
+	// The drain left behind logs nothing after the exit line (issue 20: its
+	// steps went on logging).
+	p.mu.Lock()
+	last := p.lines[len(p.lines)-1]
+	p.mu.Unlock()
+	if last["event"] != "exit" {
+		t.Errorf("the last log line is %v, want the event=exit line", last)
+	}
 }
 
 // 8. /health stays 200 and the ops listener stays up for the whole drain.

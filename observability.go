@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -34,11 +35,31 @@ func newLogger(out io.Writer, format string) *logrus.Logger {
 }
 
 func setLogFormat(log *logrus.Logger, format string) {
+	var f logrus.Formatter = &logrus.TextFormatter{FullTimestamp: true, TimestampFormat: time.RFC3339Nano, DisableColors: true}
 	if format == "json" {
-		log.SetFormatter(&logrus.JSONFormatter{TimestampFormat: time.RFC3339Nano})
-		return
+		f = &logrus.JSONFormatter{TimestampFormat: time.RFC3339Nano}
 	}
-	log.SetFormatter(&logrus.TextFormatter{FullTimestamp: true, TimestampFormat: time.RFC3339Nano, DisableColors: true})
+	log.SetFormatter(exitIsLast{Formatter: f, ended: new(atomic.Bool)})
+}
+
+// exitIsLast ends the log at the exit line (component=lifecycle event=exit):
+// a drain left behind by a second signal or by the shutdown budget, the
+// signal watcher and the listeners log nothing after it, so the exit line is
+// what the last line says. logrus formats and writes a line under one lock,
+// so no other line can slip in between the exit line and the end.
+type exitIsLast struct {
+	logrus.Formatter
+	ended *atomic.Bool
+}
+
+func (f exitIsLast) Format(e *logrus.Entry) ([]byte, error) {
+	if f.ended.Load() {
+		return nil, nil // written as nothing
+	}
+	if e.Data["event"] == "exit" && e.Data["component"] == "lifecycle" {
+		f.ended.Store(true)
+	}
+	return f.Formatter.Format(e)
 }
 
 // redactHook scrubs every configured secret from every log line, whatever field
@@ -71,6 +92,26 @@ func (h redactHook) redact(s string) string {
 	}
 	return s
 }
+
+// err is err with every secret scrubbed from its text; errors.Is and As
+// still see the original.
+func (h redactHook) err(err error) error {
+	if err == nil {
+		return nil
+	}
+	if text := h.redact(err.Error()); text != err.Error() {
+		return scrubbedError{text: text, err: err}
+	}
+	return err
+}
+
+type scrubbedError struct {
+	text string
+	err  error
+}
+
+func (e scrubbedError) Error() string { return e.text }
+func (e scrubbedError) Unwrap() error { return e.err }
 
 // ---------------------------------------------------------------------------
 // Metrics

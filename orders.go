@@ -12,8 +12,10 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"net/url"
 	"os"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -74,9 +76,11 @@ func (o newOrder) validate() []string {
 	var problems []string
 	if n := utf8.RuneCountInString(strings.TrimSpace(o.Customer)); n < 1 || n > 200 {
 		problems = append(problems, "customer: must be 1 to 200 characters")
+	} else if !visible(o.Customer) {
+		problems = append(problems, "customer: must show at least one visible character")
 	}
-	if hasControl(o.Customer) {
-		problems = append(problems, "customer: must not contain control characters")
+	if problem := textProblem(o.Customer); problem != "" {
+		problems = append(problems, "customer: "+problem)
 	}
 	if len(o.Items) < 1 || len(o.Items) > maxItems {
 		problems = append(problems, fmt.Sprintf("items: must hold 1 to %d items", maxItems))
@@ -84,9 +88,11 @@ func (o newOrder) validate() []string {
 	for i, it := range o.Items {
 		if n := utf8.RuneCountInString(it.SKU); n < 1 || n > 64 {
 			problems = append(problems, fmt.Sprintf("items[%d].sku: must be 1 to 64 characters", i))
+		} else if !visible(it.SKU) {
+			problems = append(problems, fmt.Sprintf("items[%d].sku: must show at least one visible character", i))
 		}
-		if hasControl(it.SKU) {
-			problems = append(problems, fmt.Sprintf("items[%d].sku: must not contain control characters", i))
+		if problem := textProblem(it.SKU); problem != "" {
+			problems = append(problems, fmt.Sprintf("items[%d].sku: %s", i, problem))
 		}
 		if it.Qty < 1 || it.Qty > maxQty {
 			problems = append(problems, fmt.Sprintf("items[%d].qty: must be from 1 to %d", i, maxQty))
@@ -117,8 +123,8 @@ func (o newOrder) fingerprint() string {
 
 // decodeOrder reads a JSON body strictly: the media type, the size limit,
 // the read deadline, valid UTF-8 (encoding/json would silently turn invalid
-// bytes into U+FFFD and store an altered order), unknown fields, trailing data
-// and every field's rules.
+// bytes into U+FFFD and store an altered order), duplicate and case-variant
+// keys (keyProblem), unknown fields, trailing data and every field's rules.
 func decodeOrder(c echo.Context) (newOrder, error) {
 	var o newOrder
 	if mt, _, err := mime.ParseMediaType(c.Request().Header.Get(echo.HeaderContentType)); err != nil || mt != echo.MIMEApplicationJSON {
@@ -141,6 +147,9 @@ func decodeOrder(c echo.Context) (newOrder, error) {
 		return o, apiError(http.StatusBadRequest, "invalid_body", "the body could not be read")
 	case !utf8.Valid(raw):
 		return o, apiError(http.StatusBadRequest, "invalid_json", "the body is not valid UTF-8")
+	}
+	if problem := keyProblem(raw, orderFieldNames); problem != "" {
+		return o, apiError(http.StatusBadRequest, "invalid_json", problem)
 	}
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.DisallowUnknownFields()
@@ -414,26 +423,66 @@ func handleGetOrder(db *pgxpool.Pool, t timeouts) echo.HandlerFunc {
 	}
 }
 
+// handleListOrders is GET /api/orders: the newest 50 orders as the event
+// stream shows them (id, status, total, item count, time), nothing personal.
+// Searching by customer or SKU answers names and items, so it is an admin
+// route on the ops port (handleSearchOrders); a q here is refused, never
+// silently ignored.
+func handleListOrders(db *pgxpool.Pool, t timeouts) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		q, err := searchQuery(c)
+		if err != nil {
+			return err
+		}
+		if q != "" {
+			return apiError(http.StatusForbidden, "search_not_public",
+				"q: searching orders by customer or SKU needs the admin token: GET /admin/orders?q= on the ops port")
+		}
+		ctx, cancel := context.WithTimeout(c.Request().Context(), t.request)
+		defer cancel()
+		var orders []orderCreated
+		err = retrySafe(ctx, db, func(ctx context.Context) error {
+			rows, err := db.Query(ctx, `SELECT public_id, total_cents, jsonb_array_length(items), created_at
+				FROM orders ORDER BY id DESC LIMIT 50`)
+			if err != nil {
+				return err
+			}
+			orders, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (orderCreated, error) {
+				o := orderCreated{Status: "created"}
+				err := row.Scan(&o.ID, &o.TotalCents, &o.ItemCount, &o.CreatedAt)
+				o.CreatedAt = o.CreatedAt.UTC()
+				return o, err
+			})
+			return err
+		})
+		if err != nil {
+			return fmt.Errorf("listing orders: %w", err)
+		}
+		return c.JSON(http.StatusOK, map[string]any{"orders": orders})
+	}
+}
+
 // searchTimeout bounds the Meilisearch query: past it, SQL answers instead.
 const searchTimeout = 500 * time.Millisecond
 
 // searchPoolShare: searches, which may scan, hold at most this share of the
-// pool's connections at once (at least one), so any client can search but
-// no client can starve the order path and the workers of connections.
+// pool's connections at once (at least one), so no search can starve the
+// order path and the workers of connections.
 const searchPoolShare = 4
 
-// handleListOrders is GET /api/orders?q=: up to 50 orders whose customer or
-// SKUs match q, from Meilisearch when it answers, else the newest 50 whose
-// customer contains q, from SQL. X-Search-Source says which answered. The
-// index is filled by the order-indexing job; without q, SQL lists the newest.
-// At most a share of the pool searches at once; a search that finds no slot
-// within the request's budget is answered 503 with Retry-After.
-func handleListOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, t timeouts, log *logrus.Entry) echo.HandlerFunc {
+// handleSearchOrders is GET /admin/orders?q= on the ops port, behind the
+// admin token: up to 50 whole orders whose customer or SKUs match q, from
+// Meilisearch when it answers, else the newest 50 whose customer contains q,
+// from SQL. X-Search-Source says which answered. The index is filled by the
+// order-indexing job; without q, SQL lists the newest. At most a share of
+// the pool searches at once; a search that finds no slot within the
+// request's budget is answered 503 with Retry-After.
+func handleSearchOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, t timeouts, log *logrus.Entry) echo.HandlerFunc {
 	slots := make(chan struct{}, max(1, int(db.Config().MaxConns)/searchPoolShare))
 	return func(c echo.Context) error {
-		q := c.QueryParam("q")
-		if utf8.RuneCountInString(q) > 200 {
-			return apiError(http.StatusBadRequest, "invalid_query", "q must be at most 200 characters")
+		q, err := searchQuery(c)
+		if err != nil {
+			return err
 		}
 		ctx, cancel := context.WithTimeout(c.Request().Context(), t.request)
 		defer cancel()
@@ -463,7 +512,7 @@ func handleListOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, t tim
 			log.WithError(err).Warn("search unavailable, answering from SQL")
 		}
 		var orders []order
-		err := retrySafe(ctx, db, func(ctx context.Context) (err error) {
+		err = retrySafe(ctx, db, func(ctx context.Context) (err error) {
 			orders, err = collectOrders(db.Query(ctx, `SELECT `+orderColumns+` FROM orders
 				WHERE $1 = '' OR strpos(lower(customer), lower($1)) > 0
 				ORDER BY id DESC LIMIT 50`, q))
@@ -474,6 +523,30 @@ func handleListOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, t tim
 		}
 		c.Response().Header().Set("X-Search-Source", "sql")
 		return c.JSON(http.StatusOK, map[string]any{"orders": orders})
+	}
+}
+
+// searchQuery is the q parameter, refused with a 400 naming it unless it is
+// text a person could type: echo's QueryParam silently drops a query string
+// that is not valid URL encoding, and Postgres answers a NUL or invalid UTF-8
+// (q=%00, q=%ff) with an error that was a 500.
+func searchQuery(c echo.Context) (string, error) {
+	query, err := url.ParseQuery(c.Request().URL.RawQuery)
+	if err != nil {
+		return "", apiError(http.StatusBadRequest, "invalid_query", "the query string is not valid URL encoding")
+	}
+	switch qs := query["q"]; {
+	case len(qs) == 0:
+		return "", nil
+	case len(qs) > 1:
+		return "", apiError(http.StatusBadRequest, "invalid_query", "q: give it once")
+	case utf8.RuneCountInString(qs[0]) > 200:
+		return "", apiError(http.StatusBadRequest, "invalid_query", "q: must be at most 200 characters")
+	default:
+		if problem := textProblem(qs[0]); problem != "" {
+			return "", apiError(http.StatusBadRequest, "invalid_query", "q: "+problem)
+		}
+		return qs[0], nil
 	}
 }
 
@@ -499,6 +572,77 @@ func collectOrders(rows pgx.Rows, err error) ([]order, error) {
 		orders = append(orders, o)
 	}
 	return orders, rows.Err()
+}
+
+// orderFieldNames are the JSON keys of an order body, exactly as spelled.
+var orderFieldNames = []string{"customer", "items", "sku", "qty", "priceCents"}
+
+// keyProblem walks the object keys of a JSON body and names the first one
+// encoding/json would take in a way the client did not mean: a key given
+// twice in one object (encoding/json keeps the last, so {"customer":"A",
+// "customer":"B"} stores B), or a key that matches a field only when case is
+// ignored ("CUSTOMER", "Customer", even "ſku" with a long s), which
+// encoding/json accepts although DisallowUnknownFields is set. A body that is
+// not JSON is left to the decoder, which names the syntax error.
+func keyProblem(raw []byte, names []string) string {
+	type object struct {
+		seen     map[string]bool
+		awaitKey bool
+	}
+	var stack []*object
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	for {
+		tok, err := dec.Token()
+		if err != nil {
+			return ""
+		}
+		var top *object
+		if len(stack) > 0 {
+			top = stack[len(stack)-1]
+		}
+		if key, ok := tok.(string); ok && top != nil && top.awaitKey {
+			top.awaitKey = false
+			switch {
+			case slices.Contains(names, key) && top.seen[key]:
+				return fmt.Sprintf("duplicate field %s", quoteKey(key))
+			case slices.Contains(names, key):
+				top.seen[key] = true
+			default:
+				for _, n := range names {
+					if strings.EqualFold(key, n) {
+						return fmt.Sprintf("unknown field %s: field names are case-sensitive, this one is %q", quoteKey(key), n)
+					}
+				}
+			}
+			continue
+		}
+		switch tok {
+		case json.Delim('{'):
+			stack = append(stack, &object{seen: map[string]bool{}, awaitKey: true})
+			continue
+		case json.Delim('['):
+			stack = append(stack, &object{}) // an array: no keys
+			continue
+		case json.Delim('}'), json.Delim(']'):
+			stack = stack[:len(stack)-1]
+			if len(stack) == 0 {
+				return "" // the first value ended; trailing data is the decoder's to refuse
+			}
+			top = stack[len(stack)-1]
+		}
+		if top != nil && top.seen != nil {
+			top.awaitKey = true // a member's value ended: a key comes next
+		}
+	}
+}
+
+// quoteKey quotes a client's key for an error message, short and in ASCII,
+// so neither its length nor its characters reach logs and terminals as sent.
+func quoteKey(key string) string {
+	if utf8.RuneCountInString(key) > 40 {
+		key = string([]rune(key)[:40]) + "…"
+	}
+	return strconv.QuoteToASCII(key)
 }
 
 // jsonProblem says what is wrong with a body in the client's terms: the field
@@ -548,10 +692,38 @@ func jsonKind(t reflect.Type) string {
 	return "another type"
 }
 
-// hasControl reports control characters (C0 incl. NUL, DEL, C1): they have no
-// place in a name or a SKU and break logs, terminals and some drivers.
-func hasControl(s string) bool {
-	return strings.IndexFunc(s, unicode.IsControl) >= 0
+// textProblem says what keeps s from being stored or searched as text a
+// person reads, or "" when nothing does. Refused: invalid UTF-8; control
+// characters (C0 incl. NUL, DEL, C1: they break logs, terminals and some
+// drivers); U+FFFD, which is what encoding/json makes of a lone surrogate
+// such as "\ud800" (the client sent something else than what would be
+// stored); and format characters (Unicode Cf: invisible, so "\u200b" looks
+// like an empty name), bidi controls above all (U+202E turns "Ada\u202Egpj.exe"
+// into a different-looking name in every view). The zero-width joiners U+200C
+// and U+200D stay allowed: Persian, Indic scripts and emoji need them.
+func textProblem(s string) string {
+	if !utf8.ValidString(s) {
+		return "must be valid UTF-8"
+	}
+	for _, r := range s {
+		switch {
+		case r == utf8.RuneError:
+			return `must not contain U+FFFD (a replacement character; a lone surrogate such as \ud800 becomes one)`
+		case unicode.IsControl(r):
+			return "must not contain control characters"
+		case unicode.Is(unicode.Bidi_Control, r):
+			return fmt.Sprintf("must not contain the bidi control U+%04X", r)
+		case unicode.Is(unicode.Cf, r) && r != '\u200c' && r != '\u200d':
+			return fmt.Sprintf("must not contain the invisible format character U+%04X", r)
+		}
+	}
+	return ""
+}
+
+// visible reports whether s shows at least one character: a name made of
+// spaces and joiners only is empty to whoever reads it.
+func visible(s string) bool {
+	return strings.IndexFunc(s, func(r rune) bool { return unicode.IsGraphic(r) && !unicode.IsSpace(r) }) >= 0
 }
 
 func isUniqueViolation(err error) bool {

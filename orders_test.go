@@ -6,7 +6,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -41,6 +43,13 @@ func post(t *testing.T, url, body string, header map[string]string) (int, http.H
 }
 
 func apiURL(s *inProcess) string { return "http://" + s.app.api.addr.String() }
+func opsURL(s *inProcess) string { return "http://" + s.app.ops.addr.String() }
+
+// keysOf is a JSON object's keys, sorted and space-separated.
+func keysOf(m map[string]any) string {
+	keys := slices.Sorted(maps.Keys(m))
+	return strings.Join(keys, " ")
+}
 
 func countRows(t *testing.T, s *inProcess, table string) int {
 	t.Helper()
@@ -52,7 +61,9 @@ func countRows(t *testing.T, s *inProcess, table string) int {
 }
 
 func TestOrderCreateGetAndList(t *testing.T) {
-	s := startInProcess(t, fastEnv(t))
+	env := fastEnv(t)
+	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
+	s := startInProcess(t, env)
 	api := apiURL(s)
 	code, _, created := post(t, api+"/api/orders", validOrder, nil)
 	if code != 201 || created["totalCents"] != 900.0 || created["id"] == nil {
@@ -64,9 +75,25 @@ func TestOrderCreateGetAndList(t *testing.T) {
 	if code != 200 || got["customer"] != "Ada" || len(got["items"].([]any)) != 2 {
 		t.Fatalf("GET = %d %v", code, got)
 	}
-	code, hdr, list, _ := get(t, http.DefaultClient, api+"/api/orders?q=ad")
-	if code != 200 || hdr.Get("X-Search-Source") != "sql" || len(list["orders"].([]any)) != 1 {
-		t.Fatalf("list = %d %v", code, list)
+	// The public list shows what the event stream shows; the search, with
+	// names and items, is on the ops port behind the admin token.
+	code, _, list, _ := get(t, http.DefaultClient, api+"/api/orders")
+	orders, _ := list["orders"].([]any)
+	if code != 200 || len(orders) != 1 {
+		t.Fatalf("public list = %d %v", code, list)
+	}
+	if got, want := keysOf(orders[0].(map[string]any)), "createdAt id itemCount status totalCents"; got != want {
+		t.Errorf("a public list entry has the fields %q, want the event stream's %q: %v", got, want, orders[0])
+	}
+	if code, _, body, _ := get(t, http.DefaultClient, api+"/api/orders?q=ad"); code != 403 || !strings.Contains(fmt.Sprint(body), "/admin/orders") {
+		t.Errorf("public search = %d %v, want 403 pointing to /admin/orders", code, body)
+	}
+	code, hdr, list := adminGet(t, opsURL(s), "/admin/orders?q=ad")
+	if code != 200 || hdr.Get("X-Search-Source") != "sql" || len(list["orders"].([]any)) != 1 || list["orders"].([]any)[0].(map[string]any)["customer"] != "Ada" {
+		t.Fatalf("admin search = %d %v", code, list)
+	}
+	if code, _, _, _ := get(t, http.DefaultClient, opsURL(s)+"/admin/orders?q=ad"); code != 401 {
+		t.Errorf("admin search without the token = %d, want 401", code)
 	}
 
 	// The order and its event were written together.
@@ -251,11 +278,12 @@ func mustJSON(v any) string {
 
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }
 
-// GET /api/orders?q= asks Meilisearch while it answers, and SQL when it does not.
+// GET /admin/orders?q= asks Meilisearch while it answers, and SQL when it does not.
 func TestOrderSearchUsesMeilisearchThenFallsBackToSQL(t *testing.T) {
 	meili := newMeiliDouble(t, "available")
 	env := fastEnv(t)
 	env["MEILI_URL"] = meili.srv.URL
+	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
 	s := startInProcess(t, env)
 	api := apiURL(s)
 	_, _, ada := post(t, api+"/api/orders", validOrder, nil)
@@ -263,14 +291,14 @@ func TestOrderSearchUsesMeilisearchThenFallsBackToSQL(t *testing.T) {
 	bobID, _ := bob["id"].(string)
 
 	meili.setHits(bobID, uuid.NewString()) // ranked by the index; the second is not (or no longer) in the database
-	code, hdr, body, _ := get(t, http.DefaultClient, api+"/api/orders?q=tea")
+	code, hdr, body := adminGet(t, opsURL(s), "/admin/orders?q=tea")
 	orders, _ := body["orders"].([]any)
 	if code != 200 || hdr.Get("X-Search-Source") != "meilisearch" || len(orders) != 1 || orders[0].(map[string]any)["id"] != bob["id"] {
 		t.Fatalf("search with Meilisearch up: %d %s %v", code, hdr.Get("X-Search-Source"), body)
 	}
 
 	meili.srv.Close() // search goes down
-	code, hdr, body, _ = get(t, http.DefaultClient, api+"/api/orders?q=ad")
+	code, hdr, body = adminGet(t, opsURL(s), "/admin/orders?q=ad")
 	orders, _ = body["orders"].([]any)
 	if code != 200 || hdr.Get("X-Search-Source") != "sql" || len(orders) != 1 || orders[0].(map[string]any)["id"] != ada["id"] {
 		t.Fatalf("search with Meilisearch down: %d %s %v", code, hdr.Get("X-Search-Source"), body)
@@ -282,6 +310,7 @@ func TestOrderSearchUsesMeilisearchThenFallsBackToSQL(t *testing.T) {
 // public order.created event carries no customer and no items.
 func TestOrderOpaqueIDsAndOldRows(t *testing.T) {
 	env := fastEnv(t)
+	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, env["DATABASE_URL"])
 	if err != nil {
@@ -305,7 +334,7 @@ func TestOrderOpaqueIDsAndOldRows(t *testing.T) {
 
 	s := startInProcess(t, env) // auto-applies migration 13
 	api := apiURL(s)
-	code, _, list, _ := get(t, http.DefaultClient, api+"/api/orders?q=old")
+	code, _, list := adminGet(t, opsURL(s), "/admin/orders?q=old")
 	orders, _ := list["orders"].([]any)
 	if code != 200 || len(orders) != 1 {
 		t.Fatalf("the old order after the migration: %d %v", code, list)

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"encoding/base64"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"io"
 	"net/http"
@@ -25,6 +26,13 @@ import (
 var testBinary string
 
 func TestMain(m *testing.M) {
+	flag.Parse()
+	if fuzz := flag.Lookup("test.fuzz"); fuzz != nil && fuzz.Value.String() != "" {
+		// Fuzzing (scripts/test.sh, a few seconds): the fuzz targets are pure
+		// functions, and every fuzz worker runs TestMain, so a build here would
+		// eat the fuzz time.
+		os.Exit(m.Run())
+	}
 	dir, err := os.MkdirTemp("", "kumiko-bin-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "temp dir:", err)

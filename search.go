@@ -20,11 +20,16 @@ func (a *app) searchAdapter(ctx context.Context, p *phaseRun) error {
 	client := meilisearch.New(a.cfg.Search.URL, meilisearch.WithAPIKey(a.cfg.Search.APIKey))
 	a.search = client
 	a.lc.RegisterShutdownHook("search", func(context.Context) error { client.Close(); return nil })
+	// Meilisearch's errors repeat the request URL with its query and user:
+	// scrubbed here, they reach neither the phase note (/admin/lifecycle) nor
+	// the ops readiness body, which the log's redact hook does not cover.
+	scrub := redactHook{secrets: connPasswords(a.cfg.Search.URL)}
+	healthy := func(ctx context.Context) error { return scrub.err(searchHealthy(ctx, client)) }
 	a.health.RegisterReadinessCheck("search", false, func(ctx context.Context) checkResult {
-		return timedCheck(ctx, func(ctx context.Context) error { return searchHealthy(ctx, client) })
+		return timedCheck(ctx, healthy)
 	})
-	if err := searchHealthy(ctx, client); err != nil {
-		return fmt.Errorf("meilisearch at %s is unavailable, search falls back to SQL: %w", a.cfg.Search.URL, err)
+	if err := healthy(ctx); err != nil {
+		return fmt.Errorf("meilisearch at %s is unavailable, search falls back to SQL: %w", redactConnString(a.cfg.Search.URL), err)
 	}
 	if err := ensureOrdersIndex(ctx, client); err != nil {
 		return fmt.Errorf("preparing the %s index, search falls back to SQL: %w", ordersIndex, err)

@@ -5,9 +5,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -25,6 +28,24 @@ const hubPage = 500
 // streamPage bounds one replay read by a stream handler: what a reader that
 // stopped reading can hold, however far back its Last-Event-ID points.
 const streamPage = 100
+
+// sendChunk and sendBuffer make the write timeout a progress floor: a stream
+// is dropped when fewer than about sendChunk bytes reach its client within
+// KUMIKO_SSE_WRITE_TIMEOUT (1.6 KB/s at the default 10 s), not when one write
+// waited that long. Two things made a single write wait far longer than its
+// bytes need at a steady slow reader: a write of everything pending at once
+// (up to streamBuffer frames, about 1 MB), and the kernel, which wakes a
+// writer blocked on a full send buffer only when a third of it is free again
+// — of a buffer autotuned up to tcp_wmem's 4 MB, that was 1.3 MB, so every
+// reader below ~130 KB/s was cut after the timeout. So writes go out in
+// chunks of sendChunk, each with its own deadline, and a stream's socket
+// keeps a fixed send buffer of sendBuffer (the kernel doubles it; a blocked
+// write wakes once about 5 KB of it drained). The price: a stream moves at
+// most about 16 KB per round trip (320 KB/s at 50 ms), plenty for events.
+const (
+	sendChunk  = 16 << 10
+	sendBuffer = 8 << 10
+)
 
 // streamBuffer is how far (in events) a stream may fall behind the hub before
 // it is closed; its client reconnects with Last-Event-ID and loses nothing. It
@@ -163,15 +184,13 @@ func (s *sseStream) flush() error {
 	return nil
 }
 
-// sendFrames writes the feed frames after *cursor and flushes them, under one
-// write deadline; *cursor moves to the last one. The frames are gathered into
-// one Write: net/http's buffers are 2 and 4 KB, and frames written one by one
-// would leave in a system call per 4 KB, a call that costs the same for 300
-// bytes or 30 KB. The oldest frame's age is the stream's send lag.
+// sendFrames writes the feed frames after *cursor and flushes them, a
+// deadline per sendChunk bytes; *cursor moves to the last one. The frames are
+// gathered into chunks of sendChunk: net/http's buffers are 2 and 4 KB, and
+// frames written one by one would leave in a system call per 4 KB, a call
+// that costs the same for 300 bytes or 16 KB. The oldest frame's age is the
+// stream's send lag.
 func (h *sseHub) sendFrames(s *sseStream, w http.ResponseWriter, frames []feedFrame, cursor *int64) error {
-	if err := s.arm(); err != nil {
-		return err
-	}
 	buf, _ := h.sendBuffers.Get().(*[]byte)
 	if buf == nil {
 		buf = new([]byte)
@@ -193,14 +212,30 @@ func (h *sseHub) sendFrames(s *sseStream, w http.ResponseWriter, frames []feedFr
 	if len(out) == 0 {
 		return nil
 	}
-	if _, err := w.Write(out); err != nil {
-		return fmt.Errorf("writing to the event stream: %w", err)
+	for len(out) > 0 {
+		n := min(len(out), sendChunk)
+		if err := s.arm(); err != nil { // a deadline per chunk: judged by progress
+			return err
+		}
+		if _, err := w.Write(out[:n]); err != nil {
+			return fmt.Errorf("writing to the event stream: %w", err)
+		}
+		out = out[n:]
 	}
-	if err := s.rc.Flush(); err != nil {
-		return fmt.Errorf("flushing the event stream: %w", err)
+	if err := s.flush(); err != nil {
+		return err
 	}
 	h.metrics.sseSendLag.Observe(time.Since(oldest).Seconds())
 	return nil
+}
+
+// limitSendBuffer gives a stream's socket a fixed send buffer of sendBuffer,
+// so a blocked write wakes after a few KB reached the client instead of a
+// third of a buffer the kernel may have grown to megabytes (see sendChunk).
+func limitSendBuffer(ctx context.Context) {
+	if tc, ok := ctx.Value(connKey{}).(*net.TCPConn); ok {
+		_ = tc.SetWriteBuffer(sendBuffer) // best effort: the chunked writes still bound each wait
+	}
 }
 
 // send writes frames and flushes them.
@@ -513,10 +548,11 @@ func (h *sseHub) closeStreams(drain, hard context.Context) (asked, forced int, e
 // connection that hangs.
 func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string, budget time.Duration) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		lastID := c.Request().Header.Get("Last-Event-ID")
-		if lastID == "" {
-			lastID = c.QueryParam("lastEventId")
+		lastID, resuming, err := lastEventID(c.Request())
+		if err != nil {
+			return err
 		}
+		limitSendBuffer(c.Request().Context())
 		// The controller must reach net/http's writer: echo.Response is an
 		// http.Flusher that swallows flush errors.
 		rc := http.NewResponseController(c.Response().Unwrap())
@@ -528,7 +564,7 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string,
 		defer h.release(s)
 		ctx := s.ctx
 		var reset []byte
-		if lastID != "" {
+		if resuming {
 			rctx, cancel := context.WithTimeout(ctx, budget)
 			r, err := resumePoint(rctx, db, lastID)
 			cancel()
@@ -554,7 +590,7 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string,
 		// time; feed frames that arrive meanwhile are skipped below if
 		// already sent. A new client (no Last-Event-ID) starts at the feed's
 		// position and needs no replay.
-		for err == nil && lastID != "" {
+		for err == nil && resuming {
 			var events []outboxEvent
 			if events, err = h.replayPage(ctx, cursor); err != nil {
 				break
@@ -661,20 +697,60 @@ type resume struct {
 	from      int64 // after a reset: the newest delivered event, where the stream goes on from (0: none)
 }
 
+// lastEventID is where the client asks its stream to resume: the
+// Last-Event-ID header, else ?lastEventId= (an EventSource cannot set the
+// header on its first connection). 0 means "from the beginning": everything
+// the outbox still keeps. resuming is false when neither was given.
+func lastEventID(r *http.Request) (id int64, resuming bool, err error) {
+	v, ok := r.Header["Last-Event-Id"] // canonical form of Last-Event-ID
+	if !ok {
+		query, err := url.ParseQuery(r.URL.RawQuery)
+		if err != nil {
+			return 0, false, apiError(http.StatusBadRequest, "invalid_query", "the query string is not valid URL encoding")
+		}
+		if v, ok = query["lastEventId"]; !ok {
+			return 0, false, nil
+		}
+	}
+	switch {
+	case len(v) != 1:
+		return 0, false, apiError(http.StatusBadRequest, "invalid_last_event_id", "Last-Event-ID: give it once")
+	case v[0] == "": // what an EventSource that has seen no id would mean
+		return 0, false, nil
+	}
+	id, err = parseLastEventID(v[0])
+	return id, err == nil, err
+}
+
+// parseLastEventID reads an event id: decimal digits only (no sign, no
+// spaces, no "0x"), at most an int64; 0 asks for every event still kept.
+func parseLastEventID(s string) (int64, error) {
+	invalid := apiError(http.StatusBadRequest, "invalid_last_event_id",
+		"Last-Event-ID: must be an event id (digits), or 0 to replay from the beginning")
+	if s == "" || strings.IndexFunc(s, func(r rune) bool { return r < '0' || r > '9' }) >= 0 {
+		return 0, invalid
+	}
+	id, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		return 0, invalid
+	}
+	return id, nil
+}
+
 // resumePoint finds where in the delivery order the client's last event was.
 // An id that is gone although later ones exist was deleted by the outbox
 // retention (or never committed): what the client missed cannot be replayed,
-// so the stream resets to the newest delivered event.
-func resumePoint(ctx context.Context, db *pgxpool.Pool, lastID string) (resume, error) {
-	id, err := strconv.ParseInt(lastID, 10, 64)
-	if err != nil || id < 1 {
-		return resume{}, apiError(http.StatusBadRequest, "invalid_last_event_id", "Last-Event-ID must be an event id")
-	}
+// so the stream resets to the newest delivered event. Id 0 is before every
+// event: the replay starts at the oldest one kept.
+func resumePoint(ctx context.Context, db *pgxpool.Pool, id int64) (resume, error) {
 	r := resume{requested: id}
+	if id == 0 {
+		return r, nil
+	}
 	var seq *int64
 	var found bool
 	var maxID int64
-	err = db.QueryRow(ctx, `SELECT
+	err := db.QueryRow(ctx, `SELECT
 			EXISTS (SELECT 1 FROM outbox_events WHERE id = $1),
 			(SELECT delivery_seq FROM outbox_events WHERE id = $1),
 			coalesce((SELECT min(id) FROM outbox_events), 0),

@@ -44,12 +44,23 @@ func openSSE(t *testing.T, base string, lastID int64) *sseClient {
 // openSSEWith is openSSE through client (e.g. one bound to another source address).
 func openSSEWith(t *testing.T, client *http.Client, base string, lastID int64) *sseClient {
 	t.Helper()
+	header := ""
+	if lastID != 0 {
+		header = strconv.FormatInt(lastID, 10)
+	}
+	return openSSEHeader(t, client, base, header)
+}
+
+// openSSEHeader opens the stream with Last-Event-ID set to lastEventID as
+// given ("0" included), or without the header when it is empty.
+func openSSEHeader(t *testing.T, client *http.Client, base, lastEventID string) *sseClient {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	c := &sseClient{t: t, cancel: cancel, ended: make(chan struct{})}
 	t.Cleanup(func() { cancel(); <-c.ended })
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, base+"/api/events", nil)
-	if lastID != 0 {
-		req.Header.Set("Last-Event-ID", strconv.FormatInt(lastID, 10))
+	if lastEventID != "" {
+		req.Header.Set("Last-Event-ID", lastEventID)
 	}
 	resp, err := client.Do(req)
 	if err != nil {

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -399,5 +400,42 @@ func TestInProcessStreamsDrainUnderLoad(t *testing.T) {
 		if bye := c.events("shutdown"); len(bye) != 1 || bye[0].Retry == 0 {
 			t.Errorf("a live reader got %+v, want one event: shutdown with a retry hint", bye)
 		}
+	}
+}
+
+// A reader that reads a replay slowly but steadily (about 5 KB/s) is not
+// dropped: it is judged by the bytes that reach it, not by how long one write
+// waited (issue 20: readers below ~130 KB/s were dropped after the write
+// timeout while the kernel waited for a third of a megabytes-large send
+// buffer to drain). A stalled reader is still dropped after the write timeout.
+func TestProcessSlowSteadyReaderIsNotDropped(t *testing.T) {
+	env := fastEnv(t)
+	env["KUMIKO_SSE_WRITE_TIMEOUT"] = "4s"
+	env["KUMIKO_SSE_MAX_STREAMS_PER_IP"] = "0"
+	p := startProc(t, env)
+	_, api := p.waitReady()
+	first := insertDelivered(t, sharedPool(t, env), stallingReplay(t), 1000)
+
+	slow := stalledReader(t, api, first)
+	stalled := stalledReader(t, api, first)
+	_ = stalled // never read: the control
+	start := time.Now()
+	var read int
+	buf := make([]byte, 512)
+	tick := time.NewTicker(100 * time.Millisecond) // 512 B every 100 ms: 5 KB/s
+	defer tick.Stop()
+	for time.Since(start) < 12*time.Second { // three write timeouts
+		<-tick.C
+		slow.SetReadDeadline(time.Now().Add(5 * time.Second))
+		n, err := io.ReadFull(slow, buf)
+		read += n
+		if err != nil {
+			t.Fatalf("the 5 KB/s reader's stream ended after %s and %d bytes: %v", time.Since(start).Round(time.Millisecond), read, err)
+		}
+	}
+	t.Logf("a 5 KB/s reader read %d bytes in %s without being dropped", read, time.Since(start).Round(time.Millisecond))
+	dropped := p.logsMatching(map[string]any{"event": "stream_dropped", "reason": "write_timeout"})
+	if len(dropped) != 1 {
+		t.Errorf("%d streams dropped for the write timeout, want 1 (the stalled one)", len(dropped))
 	}
 }

@@ -1,0 +1,178 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/robfig/cron/v3"
+)
+
+// cronParser accepts standard 5-field specs, an optional seconds field,
+// descriptors such as @hourly or @every 10s, and a CRON_TZ=<zone> prefix.
+var cronParser = cron.NewParser(cron.SecondOptional | cron.Minute | cron.Hour | cron.Dom | cron.Month | cron.Dow | cron.Descriptor)
+
+// maxCronGap is how far ahead a schedule's next tick may lie. robfig gives up
+// after five years and returns the zero time; a spec such as "0 0 30 2 *"
+// (30 February) never matches at all. Either is a configuration mistake the
+// boot refuses, not a schedule to wait for.
+const maxCronGap = 366 * 24 * time.Hour
+
+// parseSchedule turns a cron spec into the schedule the scheduler runs: an
+// "@every" interval aligned to multiples of itself, a spec in a time zone
+// with the DST rule of wallClock. It refuses a spec that does not parse,
+// names a time zone that does not exist, or has no tick within a year of now.
+func parseSchedule(spec string, now time.Time) (cron.Schedule, error) {
+	parsed, err := cronParser.Parse(spec)
+	if err != nil {
+		return nil, err // robfig names the field or the time zone
+	}
+	var s cron.Schedule
+	switch p := parsed.(type) {
+	case cron.ConstantDelaySchedule:
+		s = everySchedule(p.Delay)
+	case *cron.SpecSchedule:
+		s = wallClock{spec: p}
+	default:
+		s = parsed
+	}
+	if next := s.Next(now); next.IsZero() || next.Sub(now) > maxCronGap {
+		return nil, errors.New("it has no tick within a year")
+	}
+	return s, nil
+}
+
+// everySchedule is "@every d" ticking on multiples of d (robfig counts it
+// from whenever Next is asked), so every leader computes the same tick
+// times: the unique key (job, tick) then dedupes across a take-over, and the
+// take-over tick is a real tick. An interval is elapsed time: DST does not
+// touch it.
+type everySchedule time.Duration
+
+func (e everySchedule) Next(t time.Time) time.Time {
+	return t.Truncate(time.Duration(e)).Add(time.Duration(e))
+}
+
+// wallClock runs a cron spec on the local wall clock of its time zone
+// (CRON_TZ=…, else the process's local zone) with one rule for the two DST
+// days, so a tick neither vanishes nor doubles:
+//
+//   - a local time the clock skips (02:30 on a spring-forward night) fires
+//     once, at the first instant after the gap (03:00 new time);
+//   - a local time the clock repeats (02:30 on a fall-back night) fires
+//     once, at its first occurrence — unless the spec's hour field is "*"
+//     (hourly or more often): such a schedule is about elapsed time and also
+//     fires in the repeated hour, as Vixie cron does.
+//
+// robfig's own Next steps instants through the zone and, across DST, fires
+// "30 2 * * *" twice in Berlin's fall-back night and not at all in New York's
+// spring-forward night.
+type wallClock struct{ spec *cron.SpecSchedule }
+
+// starBit is robfig's mark of a field written as "*" (or "*/n").
+const starBit = 1 << 63
+
+func (w wallClock) Next(t time.Time) time.Time {
+	loc := w.spec.Location
+	// The spec matched against wall-clock fields written as UTC, where no
+	// DST exists; each match is then mapped back to an instant.
+	naive := *w.spec
+	naive.Location = time.UTC
+	local := t.In(loc)
+	wall := time.Date(local.Year(), local.Month(), local.Day(), local.Hour(), local.Minute(), local.Second(), local.Nanosecond(), time.UTC)
+	// A second back, so t's own wall time is looked at again: in a repeated
+	// hour its second occurrence is still ahead. Only instants after t count.
+	wall = wall.Add(-time.Second)
+	repeatsFire := w.spec.Hour&starBit != 0
+	for {
+		wall = naive.Next(wall)
+		if wall.IsZero() {
+			return time.Time{}
+		}
+		for _, at := range instantsOf(wall, loc) {
+			if at.After(t) {
+				return at
+			}
+			if !repeatsFire {
+				break // a repeated local time fires at its first occurrence only
+			}
+		}
+	}
+}
+
+// instantsOf is the instants, earliest first, at which the clock of loc
+// shows wall (given as UTC fields): one on an ordinary day, two in a
+// repeated hour, and for a skipped time the first instant after the gap.
+func instantsOf(wall time.Time, loc *time.Location) []time.Time {
+	// Zones change their offset at most a few times a year, so the offsets in
+	// force a day either side are every offset the wall time can have.
+	_, before := wall.Add(-24 * time.Hour).In(loc).Zone()
+	_, after := wall.Add(24 * time.Hour).In(loc).Zone()
+	var at []time.Time
+	for _, off := range []int{before, after} {
+		c := wall.Add(-time.Duration(off) * time.Second)
+		if _, o := c.In(loc).Zone(); o == off && (len(at) == 0 || !c.Equal(at[0])) {
+			at = append(at, c)
+		}
+	}
+	switch {
+	case len(at) == 0: // skipped: the gap ends where the earlier candidate's zone ends
+		_, end := wall.Add(-time.Duration(after) * time.Second).In(loc).ZoneBounds()
+		return []time.Time{end}
+	case len(at) == 2 && at[1].Before(at[0]):
+		at[0], at[1] = at[1], at[0]
+	}
+	return at
+}
+
+// previousTick is the newest tick at or before now: the tick of the interval
+// now lies in, which a new leader enqueues (a no-op when the previous leader
+// did). The interval before now may be longer than the one after it (a DST
+// night, a 31-day month after a 30-day one), so the search looks further
+// back until it finds a tick. A schedule without ticks has none, and no loop
+// here can spin on robfig's zero time.
+func previousTick(s cron.Schedule, now time.Time) (time.Time, bool) {
+	next := s.Next(now)
+	if next.IsZero() {
+		return time.Time{}, false
+	}
+	after := s.Next(next)
+	if after.IsZero() {
+		return time.Time{}, false
+	}
+	for back := after.Sub(next) + time.Second; back <= 2*maxCronGap; back *= 2 {
+		var prev time.Time
+		for t := s.Next(now.Add(-back)); !t.IsZero() && !t.After(now); t = s.Next(t) {
+			prev = t
+		}
+		if !prev.IsZero() {
+			return prev, true
+		}
+	}
+	return time.Time{}, false
+}
+
+// followingTick is the tick to wait for after firing fired at now. A late
+// scheduler (a paused process, a slow enqueue) skips to the newest due tick
+// rather than fire a burst of stale ones: missed ticks are not caught up, a
+// report is about now. Zero when the schedule has no further tick.
+func followingTick(s cron.Schedule, fired, now time.Time) time.Time {
+	next := s.Next(fired)
+	for !next.IsZero() {
+		after := s.Next(next)
+		if after.IsZero() || after.After(now) {
+			return next
+		}
+		next = after
+	}
+	return next
+}
+
+// mustSchedule is parseSchedule for a spec phase 6 has already validated.
+func mustSchedule(spec string) cron.Schedule {
+	s, err := parseSchedule(spec, time.Now())
+	if err != nil {
+		panic(fmt.Sprintf("cron spec %q passed bootValidation but is refused now: %v", spec, err))
+	}
+	return s
+}

@@ -1,0 +1,197 @@
+package main
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/robfig/cron/v3"
+)
+
+// Specs that cannot work are refused with a reason, before anything connects.
+func TestParseScheduleRefusesSpecsThatCannotWork(t *testing.T) {
+	now := time.Date(2026, 12, 3, 23, 0, 0, 0, time.UTC)
+	for spec, want := range map[string]string{
+		"0 0 30 2 *":                          "no tick within a year", // 30 February
+		"0 0 31 4 *":                          "no tick within a year", // 31 April
+		"0 0 29 2 *":                          "no tick within a year", // next one in 2028
+		"CRON_TZ=Mars/Olympus_Mons 0 3 * * *": "Mars/Olympus_Mons",
+		"*/5 * * *":                           "expected 5 to 6 fields",
+	} {
+		if _, err := parseSchedule(spec, now); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("parseSchedule(%q) = %v, want an error naming %q", spec, err, want)
+		}
+	}
+	for _, spec := range []string{"*/5 * * * *", "@hourly", "@every 10s", "CRON_TZ=Europe/Berlin 30 2 * * *", "0 0 31 * *"} {
+		if _, err := parseSchedule(spec, now); err != nil {
+			t.Errorf("parseSchedule(%q): %v", spec, err)
+		}
+	}
+}
+
+// previousTick and followingTick end on a schedule without ticks instead of
+// spinning on robfig's zero time (issue 20: the leader sat at 98 % CPU).
+func TestNoCronLoopSpinsOnAZeroTime(t *testing.T) {
+	never, err := cronParser.Parse("0 0 30 2 *") // parsed directly: parseSchedule refuses it
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if prev, ok := previousTick(never, now); ok {
+			t.Errorf("previousTick of a spec that never matches = %s", prev)
+		}
+		if next := followingTick(never, now, now); !next.IsZero() {
+			t.Errorf("followingTick of a spec that never matches = %s", next)
+		}
+		if next := (wallClock{spec: mustSpec(t, "0 0 30 2 *")}).Next(now); !next.IsZero() {
+			t.Errorf("wallClock.Next of a spec that never matches = %s", next)
+		}
+	}()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("a cron helper is still looping after 10s on a spec that never matches")
+	}
+}
+
+func mustSpec(t *testing.T, spec string) *cron.SpecSchedule {
+	t.Helper()
+	s, err := cronParser.Parse(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s.(*cron.SpecSchedule)
+}
+
+// ticksBetween runs a schedule the way scheduler.lead does, on a fake clock
+// stepped a minute at a time from start to end: the first wait is
+// schedule.Next(start), after each firing followingTick.
+func ticksBetween(t *testing.T, spec string, start, end time.Time) []string {
+	t.Helper()
+	s, err := parseSchedule(spec, start)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var fired []string
+	next := s.Next(start)
+	for now := start; !now.After(end); now = now.Add(time.Minute) {
+		if !next.IsZero() && !next.After(now) {
+			fired = append(fired, next.UTC().Format("01-02 15:04Z")+" ("+next.In(s.(wallClock).spec.Location).Format("15:04 MST")+")")
+			next = followingTick(s, next, now)
+		}
+	}
+	return fired
+}
+
+// The DST rule (cron.go, wallClock) on the DST days of 2026 in Berlin and
+// New York: a skipped local time fires once at the first instant after the
+// gap, a repeated one once, hourly schedules keep their elapsed-time spacing.
+func TestCronAcrossDSTDays(t *testing.T) {
+	berlin, _ := time.LoadLocation("Europe/Berlin")
+	newYork, _ := time.LoadLocation("America/New_York")
+	day := func(loc *time.Location, y int, m time.Month, d int) (time.Time, time.Time) {
+		return time.Date(y, m, d, 0, 0, 0, 0, loc), time.Date(y, m, d+1, 0, 0, 0, 0, loc) // 23, 24 or 25 hours
+	}
+	for _, tc := range []struct {
+		name  string
+		spec  string
+		loc   *time.Location
+		month time.Month
+		date  int
+		want  []string
+	}{
+		{"Berlin spring forward: 02:30 is skipped, fires at 03:00 CEST", "CRON_TZ=Europe/Berlin 30 2 * * *", berlin, time.March, 29,
+			[]string{"03-29 01:00Z (03:00 CEST)"}},
+		{"Berlin fall back: 02:30 happens twice, fires once", "CRON_TZ=Europe/Berlin 30 2 * * *", berlin, time.October, 25,
+			[]string{"10-25 00:30Z (02:30 CEST)"}},
+		{"New York spring forward: 02:30 is skipped, fires at 03:00 EDT", "CRON_TZ=America/New_York 30 2 * * *", newYork, time.March, 8,
+			[]string{"03-08 07:00Z (03:00 EDT)"}},
+		{"New York fall back: 01:30 happens twice, fires once", "CRON_TZ=America/New_York 30 1 * * *", newYork, time.November, 1,
+			[]string{"11-01 05:30Z (01:30 EDT)"}},
+		{"Berlin spring forward, hourly: no tick lost or doubled", "CRON_TZ=Europe/Berlin 0 * * * *", berlin, time.March, 29,
+			hourly(t, berlin, time.Date(2026, 3, 29, 0, 0, 0, 0, berlin), 23)},
+		{"Berlin fall back, hourly: the repeated hour fires too", "CRON_TZ=Europe/Berlin 0 * * * *", berlin, time.October, 25,
+			hourly(t, berlin, time.Date(2026, 10, 25, 0, 0, 0, 0, berlin), 25)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			start, end := day(tc.loc, 2026, tc.month, tc.date)
+			// The first tick at start itself is not "after start": begin a second earlier.
+			got := ticksBetween(t, tc.spec, start.Add(-time.Second), end.Add(-time.Second))
+			if strings.Join(got, ", ") != strings.Join(tc.want, ", ") {
+				t.Errorf("fired\n  %s\nwant\n  %s", strings.Join(got, "\n  "), strings.Join(tc.want, "\n  "))
+			}
+		})
+	}
+}
+
+// hourly lists n ticks an hour apart in elapsed time from start, as ticksBetween formats them.
+func hourly(t *testing.T, loc *time.Location, start time.Time, n int) []string {
+	var want []string
+	for i := range n {
+		at := start.Add(time.Duration(i) * time.Hour)
+		want = append(want, at.UTC().Format("01-02 15:04Z")+" ("+at.In(loc).Format("15:04 MST")+")")
+	}
+	return want
+}
+
+// The missed-tick policy across DST: a leader taking over at any minute of
+// a DST day enqueues the newest tick at or before that minute (robfig's
+// interval arithmetic found none on the day after a 25-hour day).
+func TestPreviousTickAcrossDSTDays(t *testing.T) {
+	for _, tc := range []struct {
+		spec string
+		now  string
+		want string
+	}{
+		{"CRON_TZ=Europe/Berlin 30 2 * * *", "2026-10-25T02:00:00+01:00", "2026-10-25T02:30:00+02:00"},    // in the repeated hour, after the tick
+		{"CRON_TZ=Europe/Berlin 30 2 * * *", "2026-10-26T02:29:00+01:00", "2026-10-25T02:30:00+02:00"},    // the day after the 25-hour day
+		{"CRON_TZ=Europe/Berlin 30 2 * * *", "2026-03-29T03:10:00+02:00", "2026-03-29T03:00:00+02:00"},    // after the skipped tick
+		{"CRON_TZ=America/New_York 30 2 * * *", "2026-03-09T02:29:00-04:00", "2026-03-08T03:00:00-04:00"}, // the day after the 23-hour day
+		{"CRON_TZ=America/New_York 30 2 * * *", "2026-03-08T01:59:00-05:00", "2026-03-07T02:30:00-05:00"},
+		{"0 0 31 * *", "2026-12-30T00:00:00Z", "2026-10-31T00:00:00Z"}, // a 61-day gap before a 31-day one
+	} {
+		s, err := parseSchedule(tc.spec, mustTime(t, tc.now))
+		if err != nil {
+			t.Fatal(err)
+		}
+		prev, ok := previousTick(s, mustTime(t, tc.now))
+		if want := mustTime(t, tc.want); !ok || !prev.Equal(want) {
+			t.Errorf("%s at %s: previousTick = %s, %v; want %s", tc.spec, tc.now, prev, ok, want)
+		}
+	}
+}
+
+func mustTime(t *testing.T, s string) time.Time {
+	t.Helper()
+	at, err := time.Parse(time.RFC3339, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return at
+}
+
+// A report cron that never fires and a purge cron in a zone that does not
+// exist: the boot stops in phase 6 naming both, before anything connects
+// (before issue 20 the first one booted, and its leader spun at 98 % CPU).
+func TestProcessRefusesCronSpecsThatCannotWork(t *testing.T) {
+	env := fastEnv(t)
+	env["KUMIKO_REPORT_CRON"] = "0 0 30 2 *"
+	env["KUMIKO_OUTBOX_PURGE_CRON"] = "CRON_TZ=Europe/Atlantis 0 3 * * *"
+	p := startProc(t, env)
+	if code := p.wait(10 * time.Second); code != 1 {
+		t.Fatalf("exit code %d, want 1", code)
+	}
+	failed := p.waitLog(time.Second, map[string]any{"phase": "bootValidation", "outcome": "failed"})
+	msg, _ := failed["error"].(string)
+	for _, want := range []string{`cron "0 0 30 2 *" for job report: it has no tick within a year`, "Europe/Atlantis"} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("bootValidation error does not say %q: %s", want, msg)
+		}
+	}
+	if p.logsMatching(map[string]any{"phase": "dbConnect"}) != nil {
+		t.Error("the boot went on past phase 6")
+	}
+}

@@ -1,0 +1,97 @@
+package main
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+// Every input a client controls is validated or refused with a 4xx naming
+// it (issue 20). "before" is what the service answered before the fix.
+func TestEveryClientInputIsValidatedOrRefused(t *testing.T) {
+	env := fastEnv(t)
+	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
+	s := startInProcess(t, env)
+	api, ops := apiURL(s), opsURL(s)
+	order := func(customer, sku string) string {
+		return `{"customer":"` + customer + `","items":[{"sku":"` + sku + `","qty":1,"priceCents":1}]}`
+	}
+	for _, tc := range []struct {
+		name, method, url, body string
+		header                  map[string]string
+		before                  string
+		status                  int
+		code, mentions          string
+	}{
+		{"lone surrogate in customer", "POST", api + "/api/orders", order(`\ud800`, "tea"), nil, "201, stored U+FFFD", 422, "validation_failed", "customer: must not contain U+FFFD"},
+		{"lone low surrogate in sku", "POST", api + "/api/orders", order("Ada", `t\udc00`), nil, "201, stored U+FFFD", 422, "validation_failed", "items[0].sku: must not contain U+FFFD"},
+		{"duplicate key", "POST", api + "/api/orders", `{"customer":"Ada","customer":"Bob","items":[{"sku":"t","qty":1,"priceCents":1}]}`, nil, "201, the last one won", 400, "invalid_json", `duplicate field "customer"`},
+		{"duplicate key in an item", "POST", api + "/api/orders", `{"customer":"Ada","items":[{"sku":"t","qty":1,"qty":9,"priceCents":1}]}`, nil, "201, the last one won", 400, "invalid_json", `duplicate field "qty"`},
+		{"CUSTOMER", "POST", api + "/api/orders", `{"CUSTOMER":"Ada","items":[{"sku":"t","qty":1,"priceCents":1}]}`, nil, "201", 400, "invalid_json", `unknown field "CUSTOMER": field names are case-sensitive, this one is "customer"`},
+		{"Customer next to customer", "POST", api + "/api/orders", `{"customer":"Ada","Customer":"Bob","items":[{"sku":"t","qty":1,"priceCents":1}]}`, nil, "201, Bob stored", 400, "invalid_json", `unknown field "Customer"`},
+		{"long s in ſku", "POST", api + "/api/orders", `{"customer":"Ada","items":[{"ſku":"t","qty":1,"priceCents":1}]}`, nil, "201", 400, "invalid_json", `unknown field "\u017fku"`},
+		{"only U+200B", "POST", api + "/api/orders", order(`\u200b`, "tea"), nil, "201", 422, "validation_failed", "customer: must not contain the invisible format character U+200B"},
+		{"bidi override U+202E", "POST", api + "/api/orders", order("Ada\u202egpj.exe", "tea"), nil, "201", 422, "validation_failed", "customer: must not contain the bidi control U+202E"},
+		{"bidi isolate in sku", "POST", api + "/api/orders", order("Ada", `t\u2066x`), nil, "201", 422, "validation_failed", "items[0].sku: must not contain the bidi control U+2066"},
+		{"byte order mark", "POST", api + "/api/orders", order(`\ufeffAda`, "tea"), nil, "201", 422, "validation_failed", "U+FEFF"},
+		{"only a joiner", "POST", api + "/api/orders", order(`\u200c`, "tea"), nil, "201", 422, "validation_failed", "customer: must show at least one visible character"},
+		{"Persian name with ZWNJ", "POST", api + "/api/orders", order("می\u200cخواهم", "tea"), nil, "201", 201, "", ""},
+		{"emoji with ZWJ", "POST", api + "/api/orders", order("Ada 👩\u200d💻", "tea"), nil, "201", 201, "", ""},
+		{"q=%ff", "GET", api + "/api/orders?q=%ff", "", nil, "500, error log (SQLSTATE 22021)", 400, "invalid_query", "q: must be valid UTF-8"},
+		{"q=%00", "GET", api + "/api/orders?q=%00", "", nil, "500, error log (SQLSTATE 22021)", 400, "invalid_query", "q: must not contain control characters"},
+		{"q=%zz", "GET", api + "/api/orders?q=%zz", "", nil, "200, q dropped: every order listed", 400, "invalid_query", "not valid URL encoding"},
+		{"q twice", "GET", api + "/api/orders?q=a&q=b", "", nil, "200, the first q", 400, "invalid_query", "q: give it once"},
+		{"public search", "GET", api + "/api/orders?q=ad", "", nil, "200 with names and items", 403, "search_not_public", "/admin/orders"},
+		{"admin q=%ff", "GET", ops + "/admin/orders?q=%ff", "", map[string]string{"Authorization": "Bearer " + testAdminToken}, "(new route)", 400, "invalid_query", "q: must be valid UTF-8"},
+		{"admin q=U+202E", "GET", ops + "/admin/orders?q=%E2%80%AE", "", map[string]string{"Authorization": "Bearer " + testAdminToken}, "(new route)", 400, "invalid_query", "U+202E"},
+		{"Last-Event-ID: -1", "GET", api + "/api/events", "", map[string]string{"Last-Event-ID": "-1"}, "400", 400, "invalid_last_event_id", "Last-Event-ID"},
+		{"Last-Event-ID: +5", "GET", api + "/api/events", "", map[string]string{"Last-Event-ID": "+5"}, "400 (unknown event 5)", 400, "invalid_last_event_id", "Last-Event-ID"},
+		{"Last-Event-ID too large", "GET", api + "/api/events", "", map[string]string{"Last-Event-ID": "99999999999999999999"}, "400", 400, "invalid_last_event_id", "Last-Event-ID"},
+		{"lastEventId=%ff", "GET", api + "/api/events?lastEventId=%ff", "", nil, "400", 400, "invalid_last_event_id", "Last-Event-ID"},
+		{"lastEventId=%zz", "GET", api + "/api/events?lastEventId=%zz", "", nil, "200, dropped: a live stream", 400, "invalid_query", "not valid URL encoding"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req, _ := http.NewRequest(tc.method, tc.url, strings.NewReader(tc.body))
+			if tc.body != "" {
+				req.Header.Set("Content-Type", "application/json")
+			}
+			for k, v := range tc.header {
+				req.Header.Set(k, v)
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			raw, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			var body struct{ Error errorBody }
+			_ = json.Unmarshal(raw, &body)
+			t.Logf("%s → before: %s; now: %d %s", tc.name, tc.before, resp.StatusCode, strings.TrimSpace(string(raw)))
+			if resp.StatusCode != tc.status || body.Error.Code != tc.code || !strings.Contains(body.Error.Message, tc.mentions) {
+				t.Errorf("%s %s = %d %s; want %d %s mentioning %q", tc.method, tc.url, resp.StatusCode, raw, tc.status, tc.code, tc.mentions)
+			}
+		})
+	}
+	// Only the two orders meant to be accepted were written.
+	if n := countRows(t, s, "orders"); n != 2 {
+		t.Errorf("%d orders written, want the 2 valid ones", n)
+	}
+
+	// Last-Event-ID: 0 replays from the beginning (it was refused with a 400).
+	first := openSSEHeader(t, http.DefaultClient, api, "0")
+	if first.status != 200 {
+		t.Fatalf("Last-Event-ID: 0 = %d %s", first.status, first.body)
+	}
+	first.waitFor(10*time.Second, "both orders' events replayed", func(f []sseFrame) bool {
+		n := 0
+		for _, frame := range f {
+			if frame.Event == "order.created" {
+				n++
+			}
+		}
+		return n == 2
+	})
+}
