@@ -56,6 +56,7 @@ LOGS=$WORK/logs
 SOCK=$WORK/containerd.sock
 KUBECONFIG=$WORK/admin.kubeconfig
 export KUBECONFIG
+export TZ=UTC # vegeta's and the app's timestamps then compare as they are
 START=$(date +%s.%N)
 STEP="setup"
 SUMMARY=""
@@ -75,8 +76,10 @@ fail() {
 now() { date +%s.%N; }
 secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 ms() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "" || b == "") print "?"; else printf "%d", (b - a) * 1000 }'; }
-# epoch converts an RFC 3339 time (the app's log) into seconds since 1970.
+# epoch converts an RFC 3339 time (the app's log) into seconds since 1970;
+# JQ_EPOCH does the same inside jq (whose fromdate drops fractions).
 epoch() { [ -n "$1" ] && date -d "$1" +%s.%N || echo ""; }
+JQ_EPOCH='def epoch: (sub("\\.[0-9]+"; "") | sub("\\+00:00$"; "Z") | fromdateiso8601) + (try (capture("(?<f>\\.[0-9]+)").f | tonumber) catch 0);' 
 
 # wait_for DESC SECONDS CMD...: polls CMD every 0.2 s until it succeeds, at
 # most SECONDS; a failure names what was awaited.
@@ -564,9 +567,10 @@ watch_bg() {
 }
 watch_bg endpointslices "kubectl get endpointslices -l kubernetes.io/service-name=$APP -w -o jsonpath='{range .endpoints[*]}{.targetRef.name}={.conditions.ready},{.addresses[0]} {end}{\"\\n\"}'"
 watch_bg pods "kubectl get pods -l app=$APP -w -o jsonpath='{.metadata.name} {.status.podIP} {.metadata.deletionTimestamp} exit={.status.containerStatuses[0].state.terminated.exitCode} reason={.status.containerStatuses[0].state.terminated.reason}{\"\\n\"}'"
-# kube-proxy's view: the pod IPs its Service chain DNATs to, every 50 ms
-# while the test runs (bounded: 10 minutes).
-svc_dnat() { iptables-save -t nat 2>/dev/null | awk -v p="default/$APP:http" 'index($0, p) && /DNAT/ { for (i = 1; i <= NF; i++) if ($i == "--to-destination") print $(i + 1) }' | sort | tr '\n' ' '; }
+# kube-proxy's view: the endpoints its Service chain sends new connections
+# to (the "default/<service>:http -> IP:port" jumps of the KUBE-SVC chain),
+# every 50 ms while the test runs (bounded: 12,000 polls).
+svc_dnat() { iptables-save -t nat 2>/dev/null | awk -v p="default/$APP:http -> " '{ i = index($0, p); if (i) { s = substr($0, i + length(p)); sub(/".*/, "", s); print s } }' | sort | tr '\n' ' '; }
 export -f svc_dnat
 export APP
 watch_bg iptables "prev=; for _ in \$(seq 12000); do cur=\$(svc_dnat); [ \"\$cur\" = \"\$prev\" ] || echo \"\$cur\"; prev=\$cur; sleep 0.05; done"
@@ -641,9 +645,8 @@ posts=$(jq -r 'select(.method == "POST")' "$WORK/load.json" | grep -c '"method"'
 [ "$requests" -gt $((RATE * 5)) ] || fail "only $requests requests were sent"
 [ "$failed" -eq 0 ] || fail "$failed of $requests requests failed during the rollout (first: $(head -n 1 "$LOGS/load-failed.log"))"
 # When each pod served its last /api/instance: the response's end.
-jq -r 'select(.code == 200 and (.url | endswith("/api/instance"))) | "\(.body | @base64d | fromjson | .instanceId) \(.timestamp) \(.latency)"' "$WORK/load.json" |
-  while read -r who ts lat; do echo "$who $(awk -v t="$(date -d "$ts" +%s.%N)" -v l="$lat" 'BEGIN { printf "%.3f", t + l / 1e9 }')"; done |
-  sort -k2 >"$WORK/served.txt"
+jq -r "$JQ_EPOCH"' select(.code == 200 and (.url | endswith("/api/instance"))) |
+  "\(.body | @base64d | fromjson | .instanceId) \((.timestamp | epoch) + .latency / 1e9)"' "$WORK/load.json" | sort -k2 -n >"$WORK/served.txt"
 
 # ---- per old pod: the drain, its exit, and the race ----
 STEP="drain of the old pods"
@@ -678,7 +681,9 @@ STEP="event stream"
 touch "$WORK/sse.stop"
 stop_pid sse "$sse_pid" 5
 psql() { kubectl exec deploy/postgres -- psql -U kumiko -d kumiko -tAc "$1"; }
-sed -n 's/^id: *//p' "$WORK/sse.raw" >"$WORK/sse.ids"
+# The ids of the order.created frames (an id line comes before its event line).
+awk '/^id: / { id = $2 } /^event: order.created/ { print id }' "$WORK/sse.raw" >"$WORK/sse.ids"
+! grep -q '^event: reset' "$WORK/sse.raw" || fail "the stream got a reset frame: its Last-Event-ID was not resumable"
 connects=$(wc -l <"$WORK/sse.connects")
 got=$(sort -n -u "$WORK/sse.ids" | wc -l)
 [ "$got" -gt 0 ] || fail "the stream received no event"
@@ -702,14 +707,23 @@ stopped=$(grep '"stopped leading"' "$LOGS/log2-$leader.watch" | tail -n 1 | sed 
 [ -n "$stopped" ] || fail "$leader's log has no 'stopped leading'"
 new=""
 for p in $pods; do [ "$p" = "$leader" ] || new=$p; done
-wait_for "$new becoming leader" 30 grep -q '"became leader"' "$LOGS/log2-$new.watch"
-became=$(grep '"became leader"' "$LOGS/log2-$new.watch" | tail -n 1 | sed 's/^[0-9.]* //' | jq -r .time)
+# became_leader: the time of the new pod's first "became leader" after the old one stopped.
+became_leader() {
+  sed 's/^[0-9.]* //' "$LOGS/log2-$new.watch" |
+    jq -r --argjson t "$(epoch "$stopped")" "$JQ_EPOCH"' select(.msg == "became leader" and (.time | epoch) >= $t) | .time' 2>/dev/null | head -n 1
+}
+leader_seen() { [ -n "$(became_leader)" ]; }
+wait_for "$new becoming leader" 30 leader_seen
+became=$(became_leader)
+term=$(grep '"shutdown_requested"' "$LOGS/log2-$leader.watch" | tail -n 1 | sed 's/^[0-9.]* //' | jq -r .time)
 handover=$(ms "$(epoch "$stopped")" "$(epoch "$became")")
+handover_from_term=$(ms "$(epoch "$term")" "$(epoch "$became")")
 [ "$handover" -le 1000 ] || fail "hand-over took ${handover} ms (stopped $stopped, became $became), want ≤ 1000"
 kubectl rollout status "deployment/$APP" --timeout=180s >/dev/null || fail "the Deployment did not recover"
 # Every 2 s tick since the first pod booted, once: no tick twice (the unique
 # key makes that impossible) and none lost across the rollout and the delete.
-wait_for "a tick after the hand-over" 30 test "$(psql "SELECT count(*) FROM river_job WHERE kind = 'report' AND created_at > now() - interval '3 seconds'")" -gt 0
+recent_tick() { [ "$(psql "SELECT count(*) FROM river_job WHERE kind = 'report' AND created_at > now() - interval '3 seconds'")" -gt 0 ]; }
+wait_for "a tick after the hand-over" 30 recent_tick
 psql "SELECT args->>'scheduledAt' FROM river_job WHERE kind = 'report' AND NOT coalesce((args->>'manual')::bool, false) ORDER BY 1" >"$WORK/ticks"
 ticks=$(wc -l <"$WORK/ticks")
 dups=$(sort "$WORK/ticks" | uniq -d | wc -l)
@@ -739,4 +753,4 @@ zero=$(awk '{ n = gsub(/=true/, "") } n == 0 { z++ } END { print z + 0 }' "$LOGS
 refused=$(grep -c 'disruption budget' "$LOGS/drain.log" || true)
 
 STEP="teardown"
-SUMMARY="k8s-smoke: ok: build=${build_secs}s($build_what) images=${images_secs}s cluster_start=${cluster_secs}s rollout: requests=$requests (post=$posts, keep-alive + fresh connections) failed=$failed p99=${p99}ms duration=${rollout_secs}s race[${race% }] linger=3000ms sse[$sse] handover=${handover}ms cron_ticks=$ticks dup=0 gaps=0 drain: pdb_refusals=$refused min_ready>=1"
+SUMMARY="k8s-smoke: ok: build=${build_secs}s($build_what) images=${images_secs}s cluster_start=${cluster_secs}s rollout: requests=$requests (post=$posts, keep-alive + fresh connections) failed=$failed p99=${p99}ms duration=${rollout_secs}s race[${race% }] linger=3000ms sse[$sse] handover=${handover}ms(sigterm+${handover_from_term}ms) cron_ticks=$ticks dup=0 gaps=0 drain: pdb_refusals=$refused min_ready>=1"
