@@ -356,7 +356,9 @@ if [ "$(docker image inspect -f '{{index .Config.Labels "org.kumiko.standin.sour
   docker build --progress=plain --label "org.kumiko.standin.source=$pause_hash" -t "$PAUSE_IMAGE" \
     -f deploy/standins/pause.Dockerfile deploy/standins/pause >"$LOGS/build.log" 2>&1 || fail "building $PAUSE_IMAGE"
 fi
-docker build --progress=plain --build-arg GOPROXY="$(go env GOPROXY)" --build-arg VERSION=k8s-smoke \
+# The same build arguments as compose-smoke.sh's: right after it (as in CI)
+# every layer is cached and this takes a second.
+docker build --progress=plain --build-arg GOPROXY="$(go env GOPROXY)" --build-arg VERSION=compose-smoke \
   -t "$APP:local" . >"$LOGS/build.log" 2>&1 || fail "docker build $APP:local"
 docker save -o "$WORK/images.tar" "$APP:local" postgres:16 redis:7 "$PAUSE_IMAGE" || fail "docker save"
 if [ -n "$ENGINE_PID" ]; then stop_pid dockerd "$ENGINE_PID" 30 && ENGINE_PID=""; fi
@@ -641,7 +643,7 @@ requests=$(wc -l <"$WORK/load.json")
 jq -r 'select(.code < 200 or .code > 299) | "\(.timestamp) \(.method) \(.url) code=\(.code) error=\(.error)"' "$WORK/load.json" >"$LOGS/load-failed.log"
 failed=$(wc -l <"$LOGS/load-failed.log")
 p99=$(vegeta report -type=json "$WORK/load-pool.bin" "$WORK/load-fresh.bin" | jq -r '.latencies["99th"] / 1e6 | floor')
-posts=$(jq -r 'select(.method == "POST")' "$WORK/load.json" | grep -c '"method"' || true)
+posts=$(jq -c 'select(.method == "POST")' "$WORK/load.json" | wc -l)
 [ "$requests" -gt $((RATE * 5)) ] || fail "only $requests requests were sent"
 [ "$failed" -eq 0 ] || fail "$failed of $requests requests failed during the rollout (first: $(head -n 1 "$LOGS/load-failed.log"))"
 # When each pod served its last /api/instance: the response's end.
@@ -690,7 +692,7 @@ got=$(sort -n -u "$WORK/sse.ids" | wc -l)
 first=$(sort -n "$WORK/sse.ids" | head -n 1) lastid=$(sort -n "$WORK/sse.ids" | tail -n 1)
 psql "SELECT id FROM outbox_events WHERE event_type = 'order.created' AND id BETWEEN $first AND $lastid ORDER BY id" >"$WORK/db.ids" ||
   fail "reading outbox_events"
-missing_ids=$(comm -23 "$WORK/db.ids" <(sort -n -u "$WORK/sse.ids" | sort) | wc -l)
+missing_ids=$(comm -23 <(sort "$WORK/db.ids") <(sort -u "$WORK/sse.ids") | wc -l)
 [ "$connects" -ge 2 ] || fail "the stream never reconnected (it should, when its pod drains)"
 [ "$missing_ids" -eq 0 ] || fail "the stream missed $missing_ids of $(wc -l <"$WORK/db.ids") events between $first and $lastid across $connects connections"
 sse="events=$got connections=$connects missing=0"
