@@ -237,8 +237,20 @@ func TestKubernetesDevOverlay(t *testing.T) {
 	}
 
 	dev := read("k8s/dev/kustomization.yaml")
-	if len(dev.Resources) == 0 || dev.Resources[0] != ".." {
-		t.Errorf("k8s/dev must start from k8s/ (resources: [.., ...]), got %v", dev.Resources)
+	var devOwn []string
+	for _, res := range dev.Resources {
+		if name, ok := strings.CutPrefix(res, "../"); ok {
+			if !slices.Contains(base.Resources, name) {
+				t.Errorf("k8s/dev takes ../%s, which k8s/kustomization.yaml does not list", name)
+			}
+		} else {
+			devOwn = append(devOwn, res)
+		}
+	}
+	for _, name := range base.Resources {
+		if !slices.Contains(dev.Resources, "../"+name) {
+			t.Errorf("k8s/dev leaves out ../%s: the overlay must apply all of k8s/", name)
+		}
 	}
 	if len(dev.Images) != 1 || dev.Images[0].Name != "kumiko-lifecycle-demo" {
 		t.Errorf("k8s/dev may change the app image's tag only, got %+v", dev.Images)
@@ -254,7 +266,7 @@ func TestKubernetesDevOverlay(t *testing.T) {
 			}
 		}
 	}
-	for _, res := range dev.Resources[1:] {
+	for _, res := range devOwn {
 		raw, err := os.ReadFile(filepath.Join("k8s/dev", res))
 		if err != nil {
 			t.Fatal(err)
