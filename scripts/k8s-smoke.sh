@@ -68,6 +68,10 @@ netns_before=""
 mkdir -p "$LOGS"
 export PATH="$BIN:$PATH:$(go env GOPATH 2>/dev/null || echo /root/go)/bin"
 
+# Every kubectl call here is bounded, whatever its own --timeout does
+# (`rollout status` of two Deployments was seen to outlive its --timeout).
+kubectl() { timeout 300 "$BIN/kubectl" "$@"; }
+
 say() { echo "k8s-smoke: $*" >&2; }
 fail() {
   say "FAIL in step '$STEP': $*"
@@ -448,6 +452,11 @@ state = "$WORK/containerd/state"
   path = "$WORK/containerd/opt"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "$PAUSE_IMAGE"
+  # This machine refuses a negative oom_score_adj even to root ("echo -998 >
+  # /proc/self/oom_score_adj: Permission denied"), and the CRI gives every pod
+  # sandbox -998: runc then fails with "can't get final child's PID from pipe:
+  # EOF". Clamp to containerd's own score (0) instead, as rootless setups do.
+  restrict_oom_score_adj = true
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
   [plugins."io.containerd.grpc.v1.cri".containerd]
