@@ -576,8 +576,9 @@ watch_bg() {
   setsid bash -c "$* 2>&1 | { while IFS= read -r line; do echo \"\$EPOCHREALTIME \$line\"; done; }" >"$LOGS/$name.watch" &
   bg_pids+=($!)
 }
-watch_bg endpointslices "kubectl get endpointslices -l kubernetes.io/service-name=$APP -w -o jsonpath='{range .endpoints[*]}{.targetRef.name}={.conditions.ready},{.addresses[0]} {end}{\"\\n\"}'"
-watch_bg pods "kubectl get pods -l app=$APP -w -o jsonpath='{.metadata.name} {.status.podIP} {.metadata.deletionTimestamp} exit={.status.containerStatuses[0].state.terminated.exitCode} reason={.status.containerStatuses[0].state.terminated.reason}{\"\\n\"}'"
+# (-o jsonpath printed the first state only; JSON through jq prints every update.)
+watch_bg endpointslices "$BIN/kubectl get endpointslices -l kubernetes.io/service-name=$APP -w -o json | jq -c --unbuffered '[.endpoints // [] | .[] | \"\\(.targetRef.name)=\\(.conditions.ready),\\(.addresses[0])\"] | join(\" \")'"
+watch_bg pods "$BIN/kubectl get pods -l app=$APP -w -o jsonpath='{.metadata.name} {.status.podIP} {.metadata.deletionTimestamp} exit={.status.containerStatuses[0].state.terminated.exitCode} reason={.status.containerStatuses[0].state.terminated.reason}{\"\\n\"}'"
 # kube-proxy's view: the endpoints its Service chain sends new connections
 # to (the "default/<service>:http -> IP:port" jumps of the KUBE-SVC chain),
 # every 50 ms while the test runs (bounded: 12,000 polls).
@@ -586,7 +587,7 @@ export -f svc_dnat
 export APP
 watch_bg iptables "prev=; for _ in \$(seq 12000); do cur=\$(svc_dnat); [ \"\$cur\" = \"\$prev\" ] || echo \"\$cur\"; prev=\$cur; sleep 0.05; done"
 old_pods=$(kubectl get pods -l app=$APP --field-selector=status.phase=Running -o jsonpath='{range .items[*]}{.metadata.name}={.status.podIP} {end}')
-for p in $old_pods; do watch_bg "log-${p%%=*}" "kubectl logs -f ${p%%=*}"; done
+for p in $old_pods; do watch_bg "log-${p%%=*}" "$BIN/kubectl logs -f ${p%%=*}"; done
 
 # Orders to read, then the target mix: of every 10 requests, 4 GET an order,
 # 4 GET /api/instance (its body names the pod that served it) and 2 POST an order.
@@ -711,7 +712,7 @@ STEP="leader hand-over"
 leader=$(kubectl exec deploy/redis -- redis-cli GET kumiko:leader | cut -d: -f1)
 pods=$(kubectl get pods -l app=$APP -o jsonpath='{.items[*].metadata.name}')
 [[ " $pods " == *" $leader "* ]] || fail "the leader lock names '$leader', not one of the pods ($pods)"
-for p in $pods; do watch_bg "log2-$p" "kubectl logs -f $p"; done
+for p in $pods; do watch_bg "log2-$p" "$BIN/kubectl logs -f $p"; done
 wait_for "the log followers" 20 test -s "$LOGS/log2-$leader.watch"
 kubectl delete pod "$leader" --wait=true --timeout=90s >/dev/null || fail "kubectl delete pod $leader"
 stopped=$(grep '"stopped leading"' "$LOGS/log2-$leader.watch" | tail -n 1 | sed 's/^[0-9.]* //' | jq -r .time)
