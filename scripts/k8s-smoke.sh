@@ -709,7 +709,7 @@ sse="events=$got connections=$connects missing=0"
 
 # ---- the leader: kubectl delete pod ----
 STEP="leader hand-over"
-leader=$(kubectl exec deploy/redis -- redis-cli GET kumiko:leader | cut -d: -f1)
+leader=$(kubectl exec deploy/redis -- redis-cli GET lifecycle:leader | cut -d: -f1) # "<instance id>:<token>"
 pods=$(kubectl get pods -l app=$APP -o jsonpath='{.items[*].metadata.name}')
 [[ " $pods " == *" $leader "* ]] || fail "the leader lock names '$leader', not one of the pods ($pods)"
 for p in $pods; do watch_bg "log2-$p" "$BIN/kubectl logs -f $p"; done
