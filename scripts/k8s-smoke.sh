@@ -712,21 +712,21 @@ STEP="leader hand-over"
 leader=$(kubectl exec deploy/redis -- redis-cli GET lifecycle:leader | cut -d: -f1) # "<instance id>:<token>"
 pods=$(kubectl get pods -l app=$APP -o jsonpath='{.items[*].metadata.name}')
 [[ " $pods " == *" $leader "* ]] || fail "the leader lock names '$leader', not one of the pods ($pods)"
-for p in $pods; do watch_bg "log2-$p" "$BIN/kubectl logs -f $p"; done
-wait_for "the log followers" 20 test -s "$LOGS/log2-$leader.watch"
+watch_bg "log2-$leader" "$BIN/kubectl logs -f $leader"
+wait_for "the leader's log follower" 20 test -s "$LOGS/log2-$leader.watch"
 kubectl delete pod "$leader" --wait=true --timeout=90s >/dev/null || fail "kubectl delete pod $leader"
 stopped=$(grep '"stopped leading"' "$LOGS/log2-$leader.watch" | tail -n 1 | sed 's/^[0-9.]* //' | jq -r .time)
 [ -n "$stopped" ] || fail "$leader's log has no 'stopped leading'"
-new=""
-for p in $pods; do [ "$p" = "$leader" ] || new=$p; done
-# became_leader: the time of the new pod's first "became leader" after the old one stopped.
-became_leader() {
-  sed 's/^[0-9.]* //' "$LOGS/log2-$new.watch" |
-    jq -r --argjson t "$(epoch "$stopped")" "$JQ_EPOCH"' select(.msg == "became leader" and (.time | epoch) >= $t) | .time' 2>/dev/null | head -n 1
-}
-leader_seen() { [ -n "$(became_leader)" ]; }
-wait_for "$new becoming leader" 30 leader_seen
-became=$(became_leader)
+# The lock goes to whichever pod wins the race after the release: the other
+# old pod or the replacement the Deployment already started.
+new_leader() { kubectl exec deploy/redis -- redis-cli GET lifecycle:leader | cut -d: -f1; }
+leader_moved() { local v; v=$(new_leader); [ -n "$v" ] && [ "$v" != "$leader" ]; }
+wait_for "another pod taking the leader lock" 30 leader_moved
+new=$(new_leader)
+kubectl logs "$new" >"$LOGS/log-new-leader-$new.txt" || fail "kubectl logs $new"
+became=$(jq -r --argjson t "$(epoch "$stopped")" "$JQ_EPOCH"' select(.msg == "became leader" and (.time | epoch) >= $t) | .time' \
+  "$LOGS/log-new-leader-$new.txt" 2>/dev/null | head -n 1)
+[ -n "$became" ] || fail "$new holds the lock but its log has no 'became leader' after $stopped"
 term=$(grep '"shutdown_requested"' "$LOGS/log2-$leader.watch" | tail -n 1 | sed 's/^[0-9.]* //' | jq -r .time)
 handover=$(ms "$(epoch "$stopped")" "$(epoch "$became")")
 handover_from_term=$(ms "$(epoch "$term")" "$(epoch "$became")")
