@@ -15,7 +15,10 @@ RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X main.version=${VERSION}"
 # `healthcheck` command probes readiness. tzdata is embedded in the binary.
 FROM gcr.io/distroless/static-debian12:nonroot
 COPY --from=build /out/kumiko-lifecycle-demo /kumiko-lifecycle-demo
-USER nonroot:nonroot
+# Numeric, not nonroot:nonroot: the kubelet can only enforce the Deployment's
+# runAsNonRoot against a numeric user ("image has non-numeric user (nonroot),
+# cannot verify user is non-root" otherwise). 65532 is distroless's nonroot.
+USER 65532:65532
 EXPOSE 8080 9090
 # SIGTERM starts the drain (readiness 503, linger, in-flight wait, release);
 # a second SIGTERM forces exit 1.

@@ -102,6 +102,9 @@ func TestKubernetesManifests(t *testing.T) {
 		if strings.HasSuffix(file, "prometheus-alerts.yaml") {
 			continue // a Prometheus rule file, checked by TestAlertRulesUseRealMetrics
 		}
+		if strings.HasSuffix(file, "kustomization.yaml") {
+			continue // the list of the above for `kubectl apply -k`, checked by TestKubernetesDevOverlay
+		}
 		raw, err := os.ReadFile(file)
 		if err != nil {
 			t.Fatal(err)
@@ -191,6 +194,108 @@ func TestKubernetesManifests(t *testing.T) {
 	}
 	if cfg.Lifecycle.ShutdownTimeout+10*time.Second > grace {
 		t.Errorf("the ConfigMap's shutdown budget %s does not fit the grace period %s", cfg.Lifecycle.ShutdownTimeout, grace)
+	}
+}
+
+// k8s/kustomization.yaml lists every manifest of k8s/ that is a Kubernetes
+// object (the Secret is the user's to create), and k8s/dev — the overlay
+// scripts/k8s-smoke.sh applies — changes nothing of them but the image tag
+// and two settings for the test, and adds only dev dependencies labelled as such.
+func TestKubernetesDevOverlay(t *testing.T) {
+	type kustomization struct {
+		APIVersion string `json:"apiVersion"`
+		Kind       string `json:"kind"`
+		Resources  []string
+		Images     []struct{ Name, NewTag string }
+		Patches    []struct {
+			Target struct{ Kind, Name string }
+			Patch  string
+		}
+	}
+	read := func(file string) kustomization {
+		raw, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var k kustomization
+		if err := yaml.UnmarshalStrict(raw, &k); err != nil {
+			t.Fatalf("%s: %v", file, err)
+		}
+		return k
+	}
+	base := read("k8s/kustomization.yaml")
+	files, _ := filepath.Glob("k8s/*.yaml")
+	for _, file := range files {
+		name := filepath.Base(file)
+		switch name {
+		case "kustomization.yaml", "prometheus-alerts.yaml", "secret.example.yaml":
+			continue
+		}
+		if !slices.Contains(base.Resources, name) {
+			t.Errorf("k8s/kustomization.yaml does not list %s", name)
+		}
+	}
+
+	dev := read("k8s/dev/kustomization.yaml")
+	var devOwn []string
+	for _, res := range dev.Resources {
+		if name, ok := strings.CutPrefix(res, "../"); ok {
+			if !slices.Contains(base.Resources, name) {
+				t.Errorf("k8s/dev takes ../%s, which k8s/kustomization.yaml does not list", name)
+			}
+		} else {
+			devOwn = append(devOwn, res)
+		}
+	}
+	for _, name := range base.Resources {
+		if !slices.Contains(dev.Resources, "../"+name) {
+			t.Errorf("k8s/dev leaves out ../%s: the overlay must apply all of k8s/", name)
+		}
+	}
+	if len(dev.Images) != 1 || dev.Images[0].Name != "kumiko-lifecycle-demo" {
+		t.Errorf("k8s/dev may change the app image's tag only, got %+v", dev.Images)
+	}
+	for _, p := range dev.Patches {
+		var ops []struct{ Op, Path string }
+		if err := yaml.Unmarshal([]byte(p.Patch), &ops); err != nil {
+			t.Fatalf("k8s/dev patch: %v", err)
+		}
+		for _, op := range ops {
+			if p.Target.Kind != "Deployment" || op.Op != "add" || op.Path != "/spec/template/spec/containers/0/env/-" {
+				t.Errorf("k8s/dev may only add env vars to the Deployment, got %s %s on %s", op.Op, op.Path, p.Target.Kind)
+			}
+		}
+	}
+	for _, res := range devOwn {
+		raw, err := os.ReadFile(filepath.Join("k8s/dev", res))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, doc := range strings.Split(string(raw), "\n---\n") {
+			var meta struct {
+				Kind     string
+				Metadata struct{ Labels map[string]string }
+			}
+			yaml.Unmarshal([]byte(doc), &meta)
+			var obj any
+			switch meta.Kind {
+			case "Deployment":
+				obj = &appsv1.Deployment{}
+			case "Service":
+				obj = &corev1.Service{}
+			case "Secret":
+				obj = &corev1.Secret{}
+			default:
+				t.Errorf("k8s/dev/%s: unexpected kind %q", res, meta.Kind)
+				continue
+			}
+			if err := yaml.UnmarshalStrict([]byte(doc), obj); err != nil {
+				t.Errorf("k8s/dev/%s does not decode strictly into %s: %v", res, meta.Kind, err)
+			}
+			if meta.Metadata.Labels["kumiko.dev/dependency"] != "true" {
+				t.Errorf("k8s/dev/%s: a %s without the label kumiko.dev/dependency=true", res, meta.Kind)
+			}
+		}
 	}
 }
 
