@@ -73,9 +73,7 @@ func BenchmarkDependencyBlips(b *testing.B) {
 	})
 	b.Run("postgres=frozen", func(b *testing.B) {
 		for range b.N {
-			pg := testOwnPostgres(b)
-			env := fastEnv(b)
-			env["DATABASE_URL"] = pg.URL
+			pg, env := ownPostgresEnv(b)
 			frozenDependency(b, env, pg.Freeze, pg.Thaw)
 		}
 	})
@@ -84,9 +82,7 @@ func BenchmarkDependencyBlips(b *testing.B) {
 // restartUnderLoad posts 200 orders/s for 20 s and restarts PostgreSQL
 // after 10 s, then compares the answers with the rows.
 func restartUnderLoad(b *testing.B) {
-	pg := testOwnPostgres(b)
-	env := fastEnv(b)
-	env["DATABASE_URL"] = pg.URL
+	pg, env := ownPostgresEnv(b)
 	p := startProc(b, env)
 	p.waitLog(20*time.Second, map[string]any{"event": "state_changed", "to": "ready"})
 	api := p.addr("api")

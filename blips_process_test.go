@@ -114,9 +114,7 @@ func waitReadiness(t *testing.T, ops string, want int, within time.Duration) tim
 // once readiness says 200 again no request fails.
 func TestPostgresRestartCostsNoRequestAfterReady(t *testing.T) {
 	t.Parallel()
-	pg := testOwnPostgres(t)
-	env := fastEnv(t)
-	env["DATABASE_URL"] = pg.URL
+	pg, env := ownPostgresEnv(t)
 	p := startProc(t, env)
 	ops, api := p.waitReady()
 	client := &http.Client{Timeout: 10 * time.Second}
@@ -147,9 +145,7 @@ func TestPostgresRestartCostsNoRequestAfterReady(t *testing.T) {
 // exactly one order per key, each with its one order.created event.
 func TestPostgresRestartDuringLoadAnswersNo500AndLosesNothing(t *testing.T) {
 	t.Parallel()
-	pg := testOwnPostgres(t)
-	env := fastEnv(t)
-	env["DATABASE_URL"] = pg.URL
+	pg, env := ownPostgresEnv(t)
 	p := startProc(t, env)
 	ops, api := p.waitReady()
 	client := &http.Client{Timeout: 10 * time.Second}
@@ -307,9 +303,7 @@ func TestRedisHungIdempotentOrderFallsBackToTheUniqueKey(t *testing.T) {
 // with exit 1 (the poller's batch could not finish) and every step's line.
 func TestPostgresHungRequestsAnswerAndTheDrainIsBounded(t *testing.T) {
 	t.Parallel()
-	pg := testOwnPostgres(t)
-	env := fastEnv(t)
-	env["DATABASE_URL"] = pg.URL
+	pg, env := ownPostgresEnv(t)
 	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "15s"
 	p := startProc(t, env)
 	ops, api := p.waitReady()

@@ -73,6 +73,16 @@ func testOwnPostgres(t testing.TB) *ownPostgres {
 	return pg
 }
 
+// ownPostgresEnv is fastEnv with DATABASE_URL on a PostgreSQL of t's own,
+// which t may restart or freeze.
+func ownPostgresEnv(t testing.TB) (*ownPostgres, map[string]string) {
+	t.Helper()
+	pg := testOwnPostgres(t)
+	env := fastEnv(t)
+	env["DATABASE_URL"] = pg.URL
+	return pg, env
+}
+
 // Restart is a fast restart on the same port: every session is terminated
 // (FATAL 57P01), then the server starts again and accepts connections.
 func (pg *ownPostgres) Restart() {
