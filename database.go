@@ -153,17 +153,17 @@ func purgePool(p *pgxpool.Pool) {
 // one landed. A lost connection purges the pool first, so the second try gets
 // a fresh one. Anything else is returned as it is; the API answers a
 // dependency's failure with 503 and Retry-After (dependencyUnavailable).
-func retrySafe(ctx context.Context, db *pgxpool.Pool, fn func(context.Context) error) error {
-	err := fn(ctx)
+func retrySafe[T any](ctx context.Context, db *pgxpool.Pool, fn func(context.Context) (T, error)) (T, error) {
+	v, err := fn(ctx)
 	if err == nil || ctx.Err() != nil {
-		return err
+		return v, err
 	}
 	lost := connectionLost(err)
 	if lost {
 		purgePool(db)
 	}
 	if !lost && !pgconn.SafeToRetry(err) {
-		return err
+		return v, err
 	}
 	return fn(ctx)
 }

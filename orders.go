@@ -189,15 +189,14 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, t timeouts, m *metri
 		if err != nil {
 			return fmt.Errorf("generating the order id: %w", err)
 		}
-		create := func(key, hash string) (o order, err error) {
-			err = retrySafe(ctx, db, func(ctx context.Context) (err error) {
-				o, err = createOrder(ctx, db, publicID, req, key, hash)
+		create := func(key, hash string) (order, error) {
+			return retrySafe(ctx, db, func(ctx context.Context) (order, error) {
+				o, err := createOrder(ctx, db, publicID, req, key, hash)
 				if isUniqueViolation(err) {
-					o, err = orderByPublicID(ctx, db, publicID) // ErrNoRows: another request's key
+					return orderByPublicID(ctx, db, publicID) // ErrNoRows: another request's key
 				}
-				return err
+				return o, err
 			})
-			return o, err
 		}
 		key := c.Request().Header.Get("Idempotency-Key")
 		if key == "" {
@@ -212,12 +211,8 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, t timeouts, m *metri
 			return apiError(http.StatusBadRequest, "invalid_idempotency_key", fmt.Sprintf("Idempotency-Key must be 1 to %d printable ASCII characters", maxIdempotencyKey))
 		}
 		hash := req.fingerprint()
-		byKey := func() (o order, err error) {
-			err = retrySafe(ctx, db, func(ctx context.Context) (err error) {
-				o, err = orderByKey(ctx, db, key, hash)
-				return err
-			})
-			return o, err
+		byKey := func() (order, error) {
+			return retrySafe(ctx, db, func(ctx context.Context) (order, error) { return orderByKey(ctx, db, key, hash) })
 		}
 
 		// Done before? Answer exactly as the first time.
@@ -408,11 +403,7 @@ func handleGetOrder(db *pgxpool.Pool, t timeouts) echo.HandlerFunc {
 		}
 		ctx, cancel := context.WithTimeout(c.Request().Context(), t.request)
 		defer cancel()
-		var o order
-		err = retrySafe(ctx, db, func(ctx context.Context) (err error) {
-			o, err = orderByPublicID(ctx, db, id)
-			return err
-		})
+		o, err := retrySafe(ctx, db, func(ctx context.Context) (order, error) { return orderByPublicID(ctx, db, id) })
 		if errors.Is(err, pgx.ErrNoRows) {
 			return apiError(http.StatusNotFound, "not_found", "no order "+id.String())
 		}
@@ -440,20 +431,18 @@ func handleListOrders(db *pgxpool.Pool, t timeouts) echo.HandlerFunc {
 		}
 		ctx, cancel := context.WithTimeout(c.Request().Context(), t.request)
 		defer cancel()
-		var orders []orderCreated
-		err = retrySafe(ctx, db, func(ctx context.Context) error {
+		orders, err := retrySafe(ctx, db, func(ctx context.Context) ([]orderCreated, error) {
 			rows, err := db.Query(ctx, `SELECT public_id, total_cents, jsonb_array_length(items), created_at
 				FROM orders ORDER BY id DESC LIMIT 50`)
 			if err != nil {
-				return err
+				return nil, err
 			}
-			orders, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (orderCreated, error) {
+			return pgx.CollectRows(rows, func(row pgx.CollectableRow) (orderCreated, error) {
 				o := orderCreated{Status: "created"}
 				err := row.Scan(&o.ID, &o.TotalCents, &o.ItemCount, &o.CreatedAt)
 				o.CreatedAt = o.CreatedAt.UTC()
 				return o, err
 			})
-			return err
 		})
 		if err != nil {
 			return fmt.Errorf("listing orders: %w", err)
@@ -498,11 +487,7 @@ func handleSearchOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, t t
 			ids, err := searchOrderIDs(sctx, search, q, 50)
 			cancel()
 			if err == nil {
-				var orders []order
-				err := retrySafe(ctx, db, func(ctx context.Context) (err error) {
-					orders, err = ordersByID(ctx, db, ids)
-					return err
-				})
+				orders, err := retrySafe(ctx, db, func(ctx context.Context) ([]order, error) { return ordersByID(ctx, db, ids) })
 				if err != nil {
 					return err
 				}
@@ -511,12 +496,10 @@ func handleSearchOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, t t
 			}
 			log.WithError(err).Warn("search unavailable, answering from SQL")
 		}
-		var orders []order
-		err = retrySafe(ctx, db, func(ctx context.Context) (err error) {
-			orders, err = collectOrders(db.Query(ctx, `SELECT `+orderColumns+` FROM orders
+		orders, err := retrySafe(ctx, db, func(ctx context.Context) ([]order, error) {
+			return collectOrders(db.Query(ctx, `SELECT `+orderColumns+` FROM orders
 				WHERE $1 = '' OR strpos(lower(customer), lower($1)) > 0
 				ORDER BY id DESC LIMIT 50`, q))
-			return err
 		})
 		if err != nil {
 			return fmt.Errorf("listing orders: %w", err)
