@@ -91,7 +91,7 @@ func addPprofRoutes(g *echo.Group) {
 // rate-limited per client IP; the health routes are not (probes must always
 // get through). Readiness here tells status only: details are on the ops port.
 func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature, m *metrics, hc httpConfig,
-	inFlight *atomic.Int64, tracer trace.Tracer) {
+	inFlight *atomic.Int64, rejecting *atomic.Bool, tracer trace.Tracer) {
 	var limit []echo.MiddlewareFunc
 	if hc.RateLimit > 0 {
 		limit = append(limit, rateLimit(newIPRateLimiter(hc.RateLimit, hc.RateBurst, maxRateLimitedIPs)))
@@ -101,7 +101,7 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 	e.Match(getHead(), "/", handleDashboard(), limit...)
 	for _, f := range features {
 		for _, r := range f.routes {
-			chain := []echo.MiddlewareFunc{admitWhenServing(lc)}
+			chain := []echo.MiddlewareFunc{admitWhenServing(lc, rejecting)}
 			if !r.streaming {
 				// Measured first, so the 429s are counted too.
 				chain = append(chain, observeRequests(m))
@@ -334,15 +334,21 @@ func withDeadline(d time.Duration) echo.MiddlewareFunc {
 }
 
 // admitWhenServing answers 503 with Retry-After while the process is not
-// serving. During the drain no check is needed: keep-alives are off from its
-// first moment and the listener closes after the linger, so the only requests
-// that still arrive are the ones the linger is there to serve.
-func admitWhenServing(lc *Lifecycle) echo.MiddlewareFunc {
+// serving. During the linger no check is needed: keep-alives are off from its
+// first moment and the listener closes after it, so the only requests that
+// still arrive are the ones the linger is there to serve. With
+// KUMIKO_DRAIN_REJECT=retry-after the port stays open past the linger, and
+// from then on (rejecting) a new request is told to retry elsewhere.
+func admitWhenServing(lc *Lifecycle, rejecting *atomic.Bool) echo.MiddlewareFunc {
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
 			if s := lc.State(); s == StateStarting || s == StateStopped {
 				c.Response().Header().Set("Retry-After", "1")
 				return apiError(http.StatusServiceUnavailable, "unavailable", "instance is "+s.String())
+			}
+			if rejecting.Load() {
+				c.Response().Header().Set("Retry-After", "1")
+				return apiError(http.StatusServiceUnavailable, "draining", "this instance is shutting down; retry, another one answers")
 			}
 			return next(c)
 		}

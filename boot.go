@@ -228,8 +228,8 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 
 	e := newEcho(a.log, a.metrics, "api")
 	e.IPExtractor = clientIPExtractor(a.cfg.HTTP.TrustedProxies)
-	addAPIRoutes(e, a.lc, a.health, a.features, a.metrics, a.cfg.HTTP, &a.inFlight, a.tracing.tracer)
-	api, err := listenHTTP("api", a.cfg.HTTPAddr, closeAfterDraining(a.lc, &a.rejecting, e), a.cfg.HTTP, a.log, a.serverFailed)
+	addAPIRoutes(e, a.lc, a.health, a.features, a.metrics, a.cfg.HTTP, &a.inFlight, &a.rejecting, a.tracing.tracer)
+	api, err := listenHTTP("api", a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP, a.log, a.serverFailed)
 	if err != nil {
 		return err
 	}

@@ -4,13 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"os"
 	"os/signal"
-	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -260,21 +257,10 @@ func (a *app) linger(ctx context.Context) error {
 // HAProxy then drops its client's connection without an answer (a POST is not
 // retried). A connection that answers first is closed cleanly; the idle ones
 // are closed by closeListener, after the linger, when no traffic comes.
-//
-// With KUMIKO_DRAIN_REJECT=retry-after, once rejecting is set (closeListener)
-// every request but a health check is answered 503 with Retry-After: a client
-// that connects directly hears why, instead of a refused connection.
-func closeAfterDraining(lc *Lifecycle, rejecting *atomic.Bool, h http.Handler) http.Handler {
+func closeAfterDraining(lc *Lifecycle, h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if lc.State() >= StateDraining {
 			w.Header().Set("Connection", "close")
-		}
-		if rejecting.Load() && !strings.HasPrefix(r.URL.Path, "/health") {
-			w.Header().Set("Retry-After", "1")
-			w.Header().Set("Content-Type", "application/json")
-			w.WriteHeader(http.StatusServiceUnavailable)
-			io.WriteString(w, `{"error":{"code":"draining","message":"this instance is shutting down; retry, another one answers"}}`)
-			return
 		}
 		h.ServeHTTP(w, r)
 	})
@@ -287,7 +273,7 @@ func closeAfterDraining(lc *Lifecycle, rejecting *atomic.Bool, h http.Handler) h
 // handlers. awaitInFlight waits for them, after the streams are closed.
 //
 // With KUMIKO_DRAIN_REJECT=retry-after the port stays open instead: new
-// requests are answered 503 with Retry-After (closeAfterDraining) until
+// requests are answered 503 with Retry-After (admitWhenServing) until
 // awaitInFlight has seen the requests in flight finish.
 func (a *app) closeAPIListener(context.Context) error {
 	if a.cfg.Lifecycle.DrainReject == drainRejectRetryAfter {
