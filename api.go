@@ -142,7 +142,7 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 		return nil, fmt.Errorf("binding the %s listener: %w", name, err)
 	}
 	silent := &silentConns{since: map[net.Conn]time.Time{}}
-	clients := &traffic{}
+	clients := &traffic{since: time.Now()}
 	connState := func(c net.Conn, state http.ConnState) {
 		silent.track(c, state)
 		if state == http.StateNew {
@@ -180,24 +180,19 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 // not traffic is routed here). The adaptive linger reads it to tell when the
 // load balancer has stopped sending.
 type traffic struct {
-	mu   sync.Mutex
-	last time.Time // zero: nobody yet
+	since time.Time    // the listener's start: last counts from it, on the monotonic clock
+	last  atomic.Int64 // when a client last came, as nanoseconds after since plus 1; 0: nobody yet
 }
 
-func (t *traffic) seen() {
-	t.mu.Lock()
-	t.last = time.Now()
-	t.mu.Unlock()
-}
+func (t *traffic) seen() { t.last.Store(int64(time.Since(t.since)) + 1) }
 
 // quietFor is how long no client came; since the start when none ever did.
 func (t *traffic) quietFor() time.Duration {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.last.IsZero() {
+	last := t.last.Load()
+	if last == 0 {
 		return time.Duration(math.MaxInt64)
 	}
-	return time.Since(t.last)
+	return time.Since(t.since) - time.Duration(last-1)
 }
 
 func (t *traffic) observe(h http.Handler) http.Handler {
