@@ -23,7 +23,7 @@ import (
 const (
 	serviceName     = "kumiko-lifecycle-demo" // binary, `version`, OTel service.name and tracer, Postgres/Redis client names
 	metricNamespace = "kumiko"                // every metric is kumiko_<name>
-	redisKeyPrefix  = "kumiko:"               // Redis keys and channels of this service (not the SPEC's shared lifecycle:/heartbeat: keys)
+	redisKeyPrefix  = "kumiko:"               // every Redis key and channel of this service (redis.go lists them)
 	// advisoryLockKey is this service's Postgres advisory lock ("kumiko" in
 	// ASCII). Two services sharing a database need different keys.
 	advisoryLockKey = 0x6b756d696b6f

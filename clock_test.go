@@ -33,12 +33,12 @@ func TestClusterTimesAreRedisTime(t *testing.T) {
 	if err := hb.beat(ctx); err != nil {
 		t.Fatal(err)
 	}
-	raw, _ := rdb.Get(ctx, "heartbeat:outbox:inst-1").Result()
+	raw, _ := rdb.Get(ctx, heartbeatKeyPrefix+"outbox:inst-1").Result()
 	if ts, err := strconv.ParseInt(raw, 10, 64); err != nil || serverNow().Unix()-ts > 1 || ts > serverNow().Unix() {
 		t.Fatalf("heartbeat value %q, want Redis's TIME (%d)", raw, serverNow().Unix())
 	}
 	// Another instance's beat, 7 s old on Redis's clock, is 7 s old here too.
-	rdb.Set(ctx, "heartbeat:jobs:inst-2", serverNow().Unix()-7, 10*time.Second)
+	rdb.Set(ctx, heartbeatKeyPrefix+"jobs:inst-2", serverNow().Unix()-7, 10*time.Second)
 	workers, err := listLiveWorkers(ctx, rdb)
 	if err != nil {
 		t.Fatal(err)

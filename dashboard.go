@@ -158,8 +158,6 @@ func handleInstance(lc *Lifecycle, rdb *redis.Client, instanceID string, budget 
 // reads all of them: the page shows the whole cluster whichever instance (or
 // load balancer) serves it.
 const (
-	statusKeyPrefix = redisKeyPrefix + "dashboard:instance:"
-	statusIndexKey  = redisKeyPrefix + "dashboard:instances" // sorted set: instance id by record expiry (unix ms)
 	// statusInterval is how often the status is rewritten besides on every
 	// state change and drain step: the rate of the requests-per-second figure.
 	statusInterval = time.Second

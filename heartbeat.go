@@ -16,10 +16,8 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-const heartbeatKeyPrefix = "heartbeat:"
-
 // heartbeats keeps the "still alive" keys of this instance's background workers:
-// SETEX heartbeat:<worker>:<instanceId> <ttl> <unix ts>. A worker beats from its
+// SETEX <prefix>heartbeat:<worker>:<instanceId> <ttl> <unix ts>. A worker beats from its
 // own loop, so a loop that is stuck stops beating and goes stale: readiness turns
 // 503 here, and other instances stop listing it once the key expires.
 type heartbeats struct {

@@ -30,7 +30,7 @@ func TestHeartbeatLifecycle(t *testing.T) {
 	if err := hb.beat(ctx); err != nil {
 		t.Fatal(err)
 	}
-	ttl, err := rdb.PTTL(ctx, "heartbeat:outbox:inst-1").Result()
+	ttl, err := rdb.PTTL(ctx, heartbeatKeyPrefix+"outbox:inst-1").Result()
 	if err != nil || ttl <= 0 || ttl > 300*time.Millisecond {
 		t.Fatalf("heartbeat key TTL %v (%v), want ≤ 300ms", ttl, err)
 	}
@@ -56,7 +56,7 @@ func TestHeartbeatLifecycle(t *testing.T) {
 	if err := hs.clear(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if n, _ := rdb.Exists(ctx, "heartbeat:outbox:inst-1").Result(); n != 0 {
+	if n, _ := rdb.Exists(ctx, heartbeatKeyPrefix+"outbox:inst-1").Result(); n != 0 {
 		t.Fatal("heartbeat key still there after a clean stop")
 	}
 }

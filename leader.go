@@ -17,12 +17,6 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-const (
-	leaderKey      = "lifecycle:leader"          // value: "<instanceId>:<fencing token>"
-	leaderTokenKey = "lifecycle:leader:fencing"  // INCR on every acquisition
-	leaderReleased = "lifecycle:leader:released" // pub/sub: the leader stepped down, try now
-)
-
 // renewScript extends the lock only if this instance still holds it: a plain
 // SET XX would extend the lock of whoever holds it now.
 var renewScript = redis.NewScript(`
@@ -45,13 +39,6 @@ if cur < floor then
 	raised = 1
 end
 return {redis.call("INCR", KEYS[1]), raised}`)
-
-// releaseScript deletes the lock only if this instance still holds it.
-var releaseScript = redis.NewScript(`
-if redis.call("GET", KEYS[1]) == ARGV[1] then
-	return redis.call("DEL", KEYS[1])
-end
-return 0`)
 
 // elector keeps one leader among all instances with a Redis TTL lock. While
 // this instance leads, lead runs with a context that ends the moment it stops
@@ -177,7 +164,7 @@ func (e *elector) acquire(ctx context.Context) (token int64, value string, ok bo
 		// would hold a lock it does not know of. Only its own value is deleted.
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.release)
 		defer cancel()
-		releaseScript.Run(rctx, e.rdb, []string{leaderKey}, value)
+		compareAndDelete.Run(rctx, e.rdb, []string{leaderKey}, value)
 	case !ok:
 		e.setFenced(false) // another instance leads; nothing to fix here
 	}
@@ -270,7 +257,7 @@ func (e *elector) serve(ctx context.Context, stopping <-chan struct{}, token int
 	if reason == "shutdown" || reason == "fenced" {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.release)
 		defer cancel()
-		n, err := releaseScript.Run(rctx, e.rdb, []string{leaderKey}, value).Int()
+		n, err := compareAndDelete.Run(rctx, e.rdb, []string{leaderKey}, value).Int()
 		if err == nil && n == 1 {
 			err = e.rdb.Publish(rctx, leaderReleased, e.instanceID).Err()
 		}

@@ -4,12 +4,15 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // scripts/new-service.sh turns a copy of the repository into another service:
@@ -154,6 +157,75 @@ func TestNewServiceScriptRenamesACopy(t *testing.T) {
 	version, err := exec.Command(bin, "version").CombinedOutput()
 	if err != nil || !strings.HasPrefix(string(version), name+" ") {
 		t.Errorf("%s version = %q, %v; want it to start with %q", name, version, err, name+" ")
+	}
+	t.Run("shares one Redis and one PostgreSQL with the template", func(t *testing.T) {
+		servicesSideBySide(t, bin, "ORDERS_SVC_", "orders-svc:")
+	})
+}
+
+// servicesSideBySide runs this service and a renamed copy of it (bin, whose
+// settings start with envPrefix and whose Redis keys with keyPrefix) against
+// one Redis and one PostgreSQL server at once. Each must lead, tick and
+// deliver on its own: with a Redis key shared between them (a leader lock,
+// an events channel) one of them would never lead, or would deliver the
+// other's events to its streams.
+func servicesSideBySide(t *testing.T, bin, envPrefix, keyPrefix string) {
+	template := leaderEnv(t)
+	copyEnv := map[string]string{}
+	for k, v := range leaderEnv(t) { // a database of its own, the same Redis
+		copyEnv[strings.Replace(k, "KUMIKO_", envPrefix, 1)] = v
+	}
+	copyEnv["REDIS_URL"] = template["REDIS_URL"]
+	rdb := redisClient(t, template["REDIS_URL"])
+	events := rdb.Subscribe(context.Background(), eventsChannel, keyPrefix+"events")
+	t.Cleanup(func() { events.Close() })
+	if _, err := events.Receive(context.Background()); err != nil {
+		t.Fatalf("subscribing to both event channels: %v", err)
+	}
+
+	procs := map[string]*proc{"template": startProc(t, template), "copy": startBinary(t, bin, copyEnv)}
+	envs := map[string]map[string]string{"template": template, "copy": copyEnv}
+	channels := map[string]string{"template": eventsChannel, "copy": keyPrefix + "events"}
+	for name, p := range procs {
+		becameLeader(p, 15*time.Second) // both lead at once: no shared lock
+		pool := sharedPool(t, envs[name])
+		waitFor(t, 15*time.Second, name+" to enqueue and run two cron ticks", func() bool {
+			var done int
+			pool.QueryRow(context.Background(), `SELECT count(*) FROM river_job WHERE kind = 'report' AND state = 'completed'`).Scan(&done)
+			return done >= 2
+		})
+		_, api := p.waitReady()
+		resp, err := http.Post(api+"/api/orders", "application/json",
+			strings.NewReader(`{"customer":"`+name+`","items":[{"sku":"tea","qty":1,"priceCents":250}]}`))
+		if err != nil {
+			t.Fatalf("%s: posting an order: %v", name, err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusCreated {
+			t.Fatalf("%s: POST /api/orders = %d, want 201", name, resp.StatusCode)
+		}
+		// Its delivery is published on its own channel, and only there
+		// (the services post in turn, so the first order.created is this one).
+		for deadline := time.After(10 * time.Second); ; {
+			var msg *redis.Message
+			select {
+			case msg = <-events.Channel():
+			case <-deadline:
+				t.Fatalf("%s: no order.created published on %s within 10s", name, channels[name])
+			}
+			if !strings.Contains(msg.Payload, `"type":"order.created"`) {
+				continue
+			}
+			if msg.Channel != channels[name] {
+				t.Fatalf("%s's order: published on %s, want %s: %s", name, msg.Channel, channels[name], msg.Payload)
+			}
+			break
+		}
+	}
+	for _, key := range []string{leaderKey, keyPrefix + "leader"} {
+		if n, err := rdb.Exists(context.Background(), key).Result(); err != nil || n != 1 {
+			t.Errorf("leader key %s: exists = %d, %v; want both services holding their own lock", key, n, err)
+		}
 	}
 }
 

@@ -224,7 +224,7 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, t timeouts, m *metri
 
 		// In flight right now? The marker holds this request's own token, so
 		// only this request can release it (see releaseMarker).
-		marker := "idempotency:" + key
+		marker := idempotencyKeyPrefix + key
 		token := rand.Text()
 		mctx, cancelMarker := context.WithTimeout(ctx, t.marker)
 		acquired, err := rdb.SetNX(mctx, marker, token, idempotencyMarkerTTL).Result()
@@ -267,15 +267,9 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, t timeouts, m *metri
 	}
 }
 
-// compareAndDelete deletes KEYS[1] only while it still holds ARGV[1]. A plain
-// DEL would let a first request that outlived its marker's TTL delete the
-// marker of a second request with the same key.
-var compareAndDelete = redis.NewScript(`if redis.call("GET", KEYS[1]) == ARGV[1] then
-	return redis.call("DEL", KEYS[1])
-end
-return 0`)
-
-// releaseMarker removes this request's idempotency marker, and only its own.
+// releaseMarker removes this request's idempotency marker, and only its own: a
+// plain DEL would let a first request that outlived its marker's TTL delete
+// the marker of a second request with the same key.
 func releaseMarker(ctx context.Context, rdb *redis.Client, marker, token string) error {
 	if err := compareAndDelete.Run(ctx, rdb, []string{marker}, token).Err(); err != nil {
 		return fmt.Errorf("releasing idempotency marker %s: %w", marker, err)

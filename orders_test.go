@@ -197,7 +197,7 @@ func TestOrderIdempotency(t *testing.T) {
 	}
 
 	// A request still in flight elsewhere (its marker is set) makes a duplicate a 409.
-	s.app.redis.Set(context.Background(), "idempotency:order-in-flight", "in-flight", 0)
+	s.app.redis.Set(context.Background(), idempotencyKeyPrefix+"order-in-flight", "in-flight", 0)
 	if code, _, body := post(t, api+"/api/orders", validOrder, map[string]string{"Idempotency-Key": "order-in-flight"}); code != 409 {
 		t.Fatalf("duplicate of an in-flight request: %d %v", code, body)
 	}
@@ -252,7 +252,7 @@ func TestOrderIdempotencyWithoutRedis(t *testing.T) {
 func TestIdempotencyMarkerReleasedOnlyByItsOwner(t *testing.T) {
 	rdb := redisClient(t, testRedis(t).URL)
 	ctx := context.Background()
-	marker := "idempotency:release-test"
+	marker := idempotencyKeyPrefix + "release-test"
 	if err := rdb.Set(ctx, marker, "token-of-second", 0).Err(); err != nil {
 		t.Fatal(err)
 	}

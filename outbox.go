@@ -17,9 +17,6 @@ import (
 )
 
 const (
-	// eventsChannel is the Redis pub/sub channel every delivered event is
-	// published on; every instance's SSE hub subscribes to it.
-	eventsChannel = redisKeyPrefix + "events"
 	// outboxNotifyChannel is the Postgres channel the insert trigger notifies.
 	outboxNotifyChannel = "outbox_events"
 	// outboxDeliveryLock is the advisory lock a delivery transaction holds

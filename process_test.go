@@ -93,7 +93,13 @@ type proc struct {
 
 func startProc(t testing.TB, env map[string]string, args ...string) *proc {
 	t.Helper()
-	cmd := exec.Command(testBinary, args...)
+	return startBinary(t, testBinary, env, args...)
+}
+
+// startBinary runs bin, a build of this service or of a copy of it, as startProc does.
+func startBinary(t testing.TB, bin string, env map[string]string, args ...string) *proc {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
 	cmd.Dir = t.TempDir() // no kumiko.config.yaml there: the environment is the whole config
 	cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.Getenv("HOME")}
 	for k, v := range env {

@@ -9,6 +9,28 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
+// Every Redis key and channel of this service, in one list: all of them sit
+// under redisKeyPrefix, so two services sharing one Redis never share a lock,
+// a heartbeat, an idempotency marker or an event channel.
+const (
+	eventsChannel        = redisKeyPrefix + "events"              // pub/sub: every delivered event, for every instance's stream hub
+	leaderKey            = redisKeyPrefix + "leader"              // value: "<instanceId>:<fencing token>"
+	leaderTokenKey       = redisKeyPrefix + "leader:fencing"      // INCR on every acquisition
+	leaderReleased       = redisKeyPrefix + "leader:released"     // pub/sub: the leader stepped down, try now
+	heartbeatKeyPrefix   = redisKeyPrefix + "heartbeat:"          // + <worker>:<instanceId>
+	idempotencyKeyPrefix = redisKeyPrefix + "idempotency:"        // + the client's Idempotency-Key
+	statusKeyPrefix      = redisKeyPrefix + "dashboard:instance:" // + <instanceId>: the dashboard's record of one instance
+	statusIndexKey       = redisKeyPrefix + "dashboard:instances" // sorted set: instance id by record expiry (unix ms)
+)
+
+// compareAndDelete deletes KEYS[1] only while it still holds ARGV[1]: the
+// release of something this process holds (the leader lock, an idempotency
+// marker) must never delete what another holder took after it expired.
+var compareAndDelete = redis.NewScript(`if redis.call("GET", KEYS[1]) == ARGV[1] then
+	return redis.call("DEL", KEYS[1])
+end
+return 0`)
+
 // redisConnect is phase 10: the go-redis client, retried with the same backoff as the DB.
 func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
 	opts, err := redis.ParseURL(a.cfg.RedisURL)

@@ -132,7 +132,7 @@ func TestProcessStalledStreamsDrain(t *testing.T) {
 		}
 	}
 	rdb := redisClient(t, env["REDIS_URL"])
-	if holder, err := rdb.Get(context.Background(), "lifecycle:leader").Result(); err != redis.Nil {
+	if holder, err := rdb.Get(context.Background(), leaderKey).Result(); err != redis.Nil {
 		t.Errorf("leader key after exit = %q, %v; want it deleted", holder, err)
 	}
 }

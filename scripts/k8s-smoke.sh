@@ -709,7 +709,7 @@ sse="events=$got connections=$connects missing=0"
 
 # ---- the leader: kubectl delete pod ----
 STEP="leader hand-over"
-leader=$(kubectl exec deploy/redis -- redis-cli GET lifecycle:leader | cut -d: -f1) # "<instance id>:<token>"
+leader=$(kubectl exec deploy/redis -- redis-cli GET kumiko:leader | cut -d: -f1) # "<instance id>:<token>"
 pods=$(kubectl get pods -l app=$APP -o jsonpath='{.items[*].metadata.name}')
 [[ " $pods " == *" $leader "* ]] || fail "the leader lock names '$leader', not one of the pods ($pods)"
 watch_bg "log2-$leader" "$BIN/kubectl logs -f $leader"
@@ -719,7 +719,7 @@ stopped=$(grep '"stopped leading"' "$LOGS/log2-$leader.watch" | tail -n 1 | sed 
 [ -n "$stopped" ] || fail "$leader's log has no 'stopped leading'"
 # The lock goes to whichever pod wins the race after the release: the other
 # old pod or the replacement the Deployment already started.
-new_leader() { kubectl exec deploy/redis -- redis-cli GET lifecycle:leader | cut -d: -f1; }
+new_leader() { kubectl exec deploy/redis -- redis-cli GET kumiko:leader | cut -d: -f1; }
 leader_moved() { local v; v=$(new_leader); [ -n "$v" ] && [ "$v" != "$leader" ]; }
 wait_for "another pod taking the leader lock" 30 leader_moved
 new=$(new_leader)

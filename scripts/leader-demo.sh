@@ -11,7 +11,7 @@ export KUMIKO_REPORT_CRON=${KUMIKO_REPORT_CRON:-@every 1s} KUMIKO_LINGER=0
 source scripts/lib.sh
 trap cleanup EXIT INT TERM
 
-leader() { redis-cli -p "$REDIS_PORT" GET lifecycle:leader; }
+leader() { redis-cli -p "$REDIS_PORT" GET kumiko:leader; }
 start_services
 start_app 1 "$DIR/app1.log"
 wait_ready 1
