@@ -29,47 +29,64 @@ import (
 // ---------------------------------------------------------------------------
 // Routes: one function per listener, one line per route.
 
-// addOpsRoutes serves probes, metrics and admin on the ops listener, which is
-// open from phase 2 until the very end of the drain. The admin routes that
-// need Redis and the jobs client answer 503 until mountAdminRoutes replaces
-// them in phase 15.
-func addOpsRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, m *metrics, hc httpConfig, adminToken string) {
+// addOpsRoutes serves probes, metrics and pprof on the ops listener, which is
+// open from phase 2 until the very end of the drain. The /admin tree beside
+// them is adminTree's.
+func addOpsRoutes(e *echo.Echo, rd *readiness, m *metrics, hc httpConfig, adminToken string) {
 	e.Use(bodyReadDeadline(hc.ReadTimeout)) // nothing on this port streams
 	// HEAD answers like GET (net/http drops the body): monitors and load
 	// balancers probe with either.
 	e.Match(getHead(), "/health", handleLive())
 	e.Match(getHead(), "/health/ready", handleReady(rd, true))
 	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{Registry: m.registry})))
-	if adminToken == "" {
-		return // no token configured: admin routes are off, not open
+	if adminToken != "" { // no token configured: admin routes are off, not open
+		addPprofRoutes(e.Group("/debug/pprof", requireBearer(adminToken)))
 	}
-	admin := e.Group("/admin", requireBearer(adminToken))
-	admin.GET("/lifecycle", handleTimeline(lc))
-	starting := func(echo.Context) error {
-		return apiError(http.StatusServiceUnavailable, "starting", "available once the boot has reached phase apiListener")
-	}
-	admin.GET("/workers", starting)
-	admin.GET("/orders", starting)
-	admin.POST("/jobs/:name/run", starting)
-	addPprofRoutes(e.Group("/debug/pprof", requireBearer(adminToken)))
 }
 
-// mountAdminRoutes adds, in phase 15, the admin routes whose dependencies the
-// later phases created. net/http's ServeMux may gain routes while it serves,
-// and its longer patterns win over the ops echo at "/". Their Redis and
-// database calls share one request budget, like the API's.
-func mountAdminRoutes(mux *http.ServeMux, e *echo.Echo, adminToken string, budget time.Duration, rdb *redis.Client, j *jobs,
-	searchOrders echo.HandlerFunc) {
-	if adminToken == "" {
-		return
+// adminTree is the ops port's /admin/ routes, behind the admin token. From
+// phase 2 it serves the boot timeline and answers the rest 503; phase 15,
+// once Redis, the jobs client and the features' dependencies exist, swaps in
+// the whole tree. Their Redis and database calls share one request budget,
+// like the API's.
+type adminTree struct{ current atomic.Pointer[echo.Echo] }
+
+// mount makes routes (with the timeline) the tree; without a token there is
+// no tree, and /admin/ answers 404.
+func (t *adminTree) mount(e *echo.Echo, adminToken string, budget time.Duration, lc *Lifecycle, routes func(*echo.Group)) {
+	if adminToken != "" {
+		g := e.Group("/admin", requireBearer(adminToken), withDeadline(budget))
+		g.GET("/lifecycle", handleTimeline(lc))
+		routes(g)
 	}
-	admin := e.Group("/admin", requireBearer(adminToken), withDeadline(budget))
-	admin.GET("/workers", handleWorkers(rdb))
-	admin.POST("/jobs/:name/run", handleRunJob(j))
-	admin.GET("/orders", searchOrders) // names and items: personal data stays off the public port
-	mux.Handle("/admin/workers", e)
-	mux.Handle("/admin/orders", e)
-	mux.Handle("/admin/jobs/", e)
+	t.current.Store(e)
+}
+
+func (t *adminTree) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	t.current.Load().ServeHTTP(w, r)
+}
+
+// adminStarting is the tree until phase 15.
+func adminStarting(g *echo.Group) {
+	g.Any("/*", func(echo.Context) error {
+		return apiError(http.StatusServiceUnavailable, "starting", "available once the boot has reached phase apiListener")
+	})
+}
+
+// adminRoutes is the whole tree: the cluster's workers, manual jobs, and the
+// features' admin routes.
+func adminRoutes(rdb *redis.Client, j *jobs, features []feature, d routeDeps) func(*echo.Group) {
+	return func(g *echo.Group) {
+		g.GET("/workers", handleWorkers(rdb))
+		g.POST("/jobs/:name/run", handleRunJob(j))
+		for _, f := range features {
+			for _, r := range f.routes {
+				if r.admin {
+					g.Add(r.method, strings.TrimPrefix(r.path, "/admin"), r.handler(d))
+				}
+			}
+		}
+	}
 }
 
 // addPprofRoutes serves net/http/pprof behind the admin token: profiles show
@@ -90,8 +107,9 @@ func addPprofRoutes(g *echo.Group) {
 // drain ends them instead of waiting for them. Feature routes and the page are
 // rate-limited per client IP; the health routes are not (probes must always
 // get through). Readiness here tells status only: details are on the ops port.
-func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature, m *metrics, hc httpConfig,
+func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature, d routeDeps, hc httpConfig,
 	inFlight *atomic.Int64, rejecting *atomic.Bool, tracer trace.Tracer) {
+	m := d.metrics
 	var limit []echo.MiddlewareFunc
 	if hc.RateLimit > 0 {
 		limit = append(limit, rateLimit(newIPRateLimiter(hc.RateLimit, hc.RateBurst, maxRateLimitedIPs)))
@@ -101,6 +119,9 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 	e.Match(getHead(), "/", handleDashboard(), limit...)
 	for _, f := range features {
 		for _, r := range f.routes {
+			if r.admin {
+				continue // on the ops port: adminRoutes
+			}
 			chain := []echo.MiddlewareFunc{admitWhenServing(lc, rejecting)}
 			if !r.streaming {
 				// Measured first, so the 429s are counted too.
@@ -110,7 +131,7 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 			if !r.streaming {
 				chain = append(chain, bodyReadDeadline(hc.ReadTimeout), trackInFlight(inFlight, m), traceRequests(tracer))
 			}
-			e.Add(r.method, r.path, r.handler(), chain...)
+			e.Add(r.method, r.path, r.handler(d), chain...)
 		}
 	}
 }
@@ -455,27 +476,6 @@ func codeFor(status int) string {
 
 // ---------------------------------------------------------------------------
 // Handlers
-
-// maxSlowRequest bounds the manual sleep job (POST /admin/jobs/sleep/run).
-const maxSlowRequest = 10 * time.Minute
-
-// handleSlow is GET /api/slow?ms=N: a request that takes N ms, to watch a
-// drain. N is checked in milliseconds before any multiplication, so a huge N
-// cannot overflow into an allowed duration; limit is KUMIKO_SLOW_MAX.
-func handleSlow(limit time.Duration) echo.HandlerFunc {
-	return func(c echo.Context) error {
-		ms, err := strconv.ParseInt(c.QueryParam("ms"), 10, 64)
-		if err != nil || ms < 0 || ms > limit.Milliseconds() {
-			return apiError(http.StatusBadRequest, "invalid_ms", fmt.Sprintf("ms must be an integer from 0 to %d", limit.Milliseconds()))
-		}
-		select {
-		case <-time.After(time.Duration(ms) * time.Millisecond):
-			return c.JSON(http.StatusOK, map[string]int64{"sleptMs": ms})
-		case <-c.Request().Context().Done():
-			return nil // the client left, or the drain force-closed the connection
-		}
-	}
-}
 
 // handleWorkers is GET /admin/workers: the live workers of every instance
 // (their heartbeat keys) and the current leader.

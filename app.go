@@ -1,10 +1,8 @@
 package main
 
 import (
-	"context"
 	"fmt"
 	"io"
-	"net/http"
 	"runtime/debug"
 	"sync/atomic"
 	"time"
@@ -41,7 +39,6 @@ type app struct {
 	log     *logrus.Logger
 	metrics *metrics
 	lc      *Lifecycle
-	bus     *eventBus
 	stop    *stopper
 
 	cfg        config                     // 1. config
@@ -49,7 +46,7 @@ type app struct {
 	tracing    tracing                    // 2. observability
 	health     *readiness                 // 2. observability
 	ops        *httpServer                // 2. observability
-	opsRoutes  *http.ServeMux             // 2. observability; the admin routes join in 15. apiListener
+	admin      *adminTree                 // 2. observability; the whole tree from 15. apiListener
 	masterKey  *masterKey                 // 3. secrets
 	features   []feature                  // 5. featureRegister
 	db         *pgxpool.Pool              // 7. dbConnect
@@ -69,13 +66,9 @@ func newApp(getenv func(string) string, stdout io.Writer) *app {
 	born := time.Now()
 	log := newLogger(stdout, getenv("KUMIKO_LOG_FORMAT"))
 	m := newMetrics()
-	a := &app{getenv: getenv, born: born, log: log, metrics: m, lc: newLifecycle(log, m, born), bus: newEventBus(log, m),
+	a := &app{getenv: getenv, born: born, log: log, metrics: m, lc: newLifecycle(log, m, born),
 		timeouts: newTimeouts(defaultConfig())} // until phase 1 has read the config
 	a.stop = newStopper(log)
-	a.lc.OnStateChange(func(from, to State) {
-		a.bus.publish(context.Background(), event{Type: eventStateChanged,
-			Payload: stateChanged{InstanceID: a.cfg.InstanceID, From: from.String(), To: to.String()}})
-	})
 	return a
 }
 

@@ -119,12 +119,15 @@ func (a *app) observability(ctx context.Context, p *phaseRun) error {
 	})
 
 	e := newEcho(a.log, a.metrics, "ops")
-	addOpsRoutes(e, a.lc, a.health, a.metrics, a.cfg.HTTP, a.cfg.AdminToken)
-	// The admin routes that need Redis and the jobs client are mounted beside
-	// these in phase 15, once both exist.
-	a.opsRoutes = http.NewServeMux()
-	a.opsRoutes.Handle("/", e)
-	ops, err := listenHTTP("ops", a.cfg.OpsAddr, a.opsRoutes, a.cfg.HTTP, a.log, a.serverFailed)
+	addOpsRoutes(e, a.health, a.metrics, a.cfg.HTTP, a.cfg.AdminToken)
+	// The admin tree shows the boot timeline from now on; its other routes
+	// need Redis and the jobs client, and join in phase 15.
+	a.admin = &adminTree{}
+	a.admin.mount(newEcho(a.log, a.metrics, "ops"), a.cfg.AdminToken, a.timeouts.request, a.lc, adminStarting)
+	mux := http.NewServeMux()
+	mux.Handle("/", e)
+	mux.Handle("/admin/", a.admin)
+	ops, err := listenHTTP("ops", a.cfg.OpsAddr, mux, a.cfg.HTTP, a.log, a.serverFailed)
 	if err != nil {
 		return err
 	}
@@ -146,7 +149,15 @@ func (h instanceHook) Fire(e *logrus.Entry) error {
 
 // featureRegister is phase 5: every feature declares what it brings.
 func (a *app) featureRegister(ctx context.Context, p *phaseRun) error {
-	a.features = a.registerFeatures()
+	a.features = registerFeatures(a.cfg)
+	for _, f := range a.features {
+		for _, c := range f.collectors {
+			if err := a.metrics.registry.Register(c); err != nil {
+				return fmt.Errorf("registering the metrics of feature %s: %w", f.name, err)
+			}
+		}
+	}
+	a.metrics.initJobKinds(workerKinds(a.features))
 	p.note = fmt.Sprintf("%d features", len(a.features))
 	return nil
 }
@@ -162,9 +173,10 @@ func (a *app) bootValidation(ctx context.Context, p *phaseRun) error {
 // first and the jobs worker after it. Three tries: the framework's guarantees
 // need a working poller; then the boot ends.
 func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
-	j, err := newJobs(jobDeps{db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket,
-		masterKey: a.masterKey, log: a.log.WithField("component", "jobs"), outboxRetention: a.cfg.Outbox.Retention},
-		a.cfg.Jobs, a.timeouts.jobsSoftStop, a.cfg.InstanceID, a.features, a.tracing.tracer, a.metrics)
+	log := a.log.WithField("component", "jobs")
+	j, err := newJobs(jobsDeps{cfg: a.cfg.Jobs, softStop: a.timeouts.jobsSoftStop, instanceID: a.cfg.InstanceID,
+		features: a.features, tracer: a.tracing.tracer, metrics: a.metrics, log: log,
+		work: workDeps{db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket, masterKey: a.masterKey, log: log}})
 	if err != nil {
 		return err
 	}
@@ -179,7 +191,7 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	a.lc.RegisterShutdownHook("outboxPoller", within(a.timeouts.batchFinish, poller.Stop))
-	a.bus.subscribe(eventStateChanged, recordStateChanges(a.db, a.timeouts.request, a.log.WithField("component", "events")))
+	a.lc.OnStateChange(recordStateChanges(a.db, a.cfg.InstanceID, a.timeouts.request, a.log.WithField("component", "events")))
 	return nil
 }
 
@@ -228,15 +240,17 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 
 	e := newEcho(a.log, a.metrics, "api")
 	e.IPExtractor = clientIPExtractor(a.cfg.HTTP.TrustedProxies)
-	addAPIRoutes(e, a.lc, a.health, a.features, a.metrics, a.cfg.HTTP, &a.inFlight, &a.rejecting, a.tracing.tracer)
+	deps := routeDeps{cfg: a.cfg, timeouts: a.timeouts, lc: a.lc, db: a.db, redis: a.redis, search: a.search,
+		jobs: a.jobs, sse: hub, metrics: a.metrics, log: a.log}
+	addAPIRoutes(e, a.lc, a.health, a.features, deps, a.cfg.HTTP, &a.inFlight, &a.rejecting, a.tracing.tracer)
 	api, err := listenHTTP("api", a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP, a.log, a.serverFailed)
 	if err != nil {
 		return err
 	}
 	a.api = api
 
-	mountAdminRoutes(a.opsRoutes, newEcho(a.log, a.metrics, "ops"), a.cfg.AdminToken, a.timeouts.request, a.redis, a.jobs,
-		handleSearchOrders(a.db, a.search, a.timeouts, a.log.WithField("component", "orders")))
+	a.admin.mount(newEcho(a.log, a.metrics, "ops"), a.cfg.AdminToken, a.timeouts.request, a.lc,
+		adminRoutes(a.redis, a.jobs, a.features, deps))
 	return nil
 }
 

@@ -1,42 +1,142 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
-	"net/http"
+	"slices"
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/labstack/echo/v4"
+	"github.com/meilisearch/meilisearch-go"
+	"github.com/minio/minio-go/v7"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
+	"github.com/riverqueue/river"
+	"github.com/sirupsen/logrus"
 )
 
-// feature is everything one feature brings, declared up front so phase 6 can
-// check the whole graph before anything connects: its routes, the events it
-// publishes and subscribes to, its jobs and cron schedules, and the settings it
-// cannot work without.
+// feature is the one place a capability is wired: the events it publishes,
+// the River jobs it works and what starts them (an outbox event, a cron
+// schedule, an operator), its routes and the settings it cannot work without.
+// A job is named by its args type, as in River: the kind string lives in the
+// type's Kind method and nowhere else. Phase 6 checks the whole list before
+// anything connects.
 type feature struct {
 	name          string
-	routes        []route
 	publishes     []string
-	subscriptions []subscription
-	jobs          []string
-	crons         []cronSchedule
+	workers       []worker       // the job kinds this feature works
+	subscriptions []subscription // outbox event → a job
+	crons         []cronJob      // schedule → a job (inserted by the leader only)
+	manualJobs    []manualJob    // POST /admin/jobs/{kind}/run → a job
+	searchIndexes []searchIndex  // Meilisearch indexes phase 11 makes sure exist
+	routes        []route
+	collectors    []prometheus.Collector // the feature's own metrics, registered in phase 5
 	requires      []setting
 }
 
-// route is one API route. Its handler is built in phase 15, once the
-// dependencies it takes exist. A streaming route (SSE) is not an in-flight
-// request for the drain: it is ended by drain step 4, not waited for.
-type route struct {
-	method, path string
-	handler      func() echo.HandlerFunc
-	streaming    bool
+// registerFeatures is phase 5: every feature of the process, in one list.
+func registerFeatures(cfg config) []feature {
+	return []feature{
+		lifecycleFeature(),
+		outboxRetentionFeature(cfg.Outbox),
+		eventsFeature(),
+		instanceFeature(),
+		drainDemoFeature(cfg.HTTP),
+		ordersFeature(cfg), // the orders demo: delete this line and orders*.go to remove it
+	}
 }
 
-// subscription runs job whenever event is delivered from the outbox.
-type subscription struct{ event, job string }
+// route is one HTTP route. Its handler is built in phase 15, once everything
+// it uses exists. A streaming route (SSE) is not an in-flight request for the
+// drain: it is ended by drain step 4, not waited for. An admin route is
+// served on the ops port under /admin, behind the admin token.
+type route struct {
+	method, path string
+	handler      func(routeDeps) echo.HandlerFunc
+	streaming    bool
+	admin        bool
+}
 
-type cronSchedule struct{ job, spec string }
+// routeDeps is what route handlers are built from, in phase 15.
+type routeDeps struct {
+	cfg      config
+	timeouts timeouts
+	lc       *Lifecycle
+	db       *pgxpool.Pool
+	redis    *redis.Client
+	search   meilisearch.ServiceManager // nil: not configured or not reachable at boot
+	jobs     *jobs
+	sse      *sseHub
+	metrics  *metrics
+	log      *logrus.Logger
+}
+
+// workDeps is what job workers use, from phase 13 on; search and storage may
+// be nil (not configured).
+type workDeps struct {
+	db        *pgxpool.Pool
+	search    meilisearch.ServiceManager
+	storage   *minio.Client
+	bucket    string
+	masterKey *masterKey
+	log       *logrus.Entry
+}
+
+// worker is one job kind and the function that works it.
+type worker struct {
+	kind     string
+	register func(*river.Workers, workDeps)
+}
+
+// work declares the worker of the jobs whose args are T; run gets the
+// workers' dependencies, which exist once phase 13 runs.
+func work[T river.JobArgs](run func(workDeps, context.Context, *river.Job[T]) error) worker {
+	return worker{kind: kindOf[T](), register: func(ws *river.Workers, d workDeps) {
+		river.AddWorker(ws, river.WorkFunc(func(ctx context.Context, job *river.Job[T]) error { return run(d, ctx, job) }))
+	}}
+}
+
+// subscription inserts a job for every delivered event of one type, in the
+// delivery's transaction.
+type subscription struct {
+	event, kind string
+	args        func(outboxEvent) (river.JobArgs, error)
+}
+
+func subscribe[T river.JobArgs](event string, args func(outboxEvent) (T, error)) subscription {
+	return subscription{event: event, kind: kindOf[T](), args: func(ev outboxEvent) (river.JobArgs, error) { return args(ev) }}
+}
+
+// cronJob inserts a job on every tick of spec. Its args carry the tick (a
+// unique key, so two leaders never enqueue one tick twice) and the leader's
+// fencing token.
+type cronJob struct {
+	kind, spec string
+	args       func(tick time.Time, fencingToken int64) river.JobArgs
+}
+
+func schedule[T river.JobArgs](spec string, args func(tick time.Time, fencingToken int64) T) cronJob {
+	return cronJob{kind: kindOf[T](), spec: spec, args: func(tick time.Time, token int64) river.JobArgs { return args(tick, token) }}
+}
+
+// manualJob is a job an operator may run by hand; args reads the request
+// (and answers bad input with an apiError).
+type manualJob struct {
+	kind string
+	args func(echo.Context) (river.JobArgs, error)
+}
+
+func byHand[T river.JobArgs](args func(echo.Context) (T, error)) manualJob {
+	return manualJob{kind: kindOf[T](), args: func(c echo.Context) (river.JobArgs, error) { return args(c) }}
+}
+
+func kindOf[T river.JobArgs]() string {
+	var args T
+	return args.Kind()
+}
 
 // setting is a configuration value a feature needs; present says whether it is set.
 type setting struct {
@@ -44,81 +144,20 @@ type setting struct {
 	present bool
 }
 
-// registerFeatures is phase 5: every feature of the process, in one list.
-func (a *app) registerFeatures() []feature {
-	return append([]feature{
-		{
-			name:      "lifecycle",
-			publishes: []string{eventStateChanged, eventInstanceStateChanged},
-		},
-		{
-			name:  "outboxRetention",
-			jobs:  []string{jobPurgeOutbox},
-			crons: []cronSchedule{{job: jobPurgeOutbox, spec: a.cfg.Outbox.PurgeCron}},
-		},
-		{
-			name:          "orders",
-			publishes:     []string{eventOrderCreated},
-			jobs:          []string{jobIndexOrder, jobWriteReceipt, jobReport, jobSleep},
-			subscriptions: a.orderSubscriptions(),
-			crons:         []cronSchedule{{job: jobReport, spec: a.cfg.Jobs.ReportCron}},
-			routes: []route{
-				{method: http.MethodPost, path: "/api/orders", handler: func() echo.HandlerFunc {
-					return handleCreateOrder(a.db, a.redis, a.timeouts, a.metrics, a.log.WithField("component", "orders"))
-				}},
-				{method: http.MethodGet, path: "/api/orders/:id", handler: func() echo.HandlerFunc { return handleGetOrder(a.db, a.timeouts) }},
-				{method: http.MethodGet, path: "/api/orders", handler: func() echo.HandlerFunc {
-					return handleListOrders(a.db, a.timeouts)
-				}},
-			},
-		},
-		{
-			name: "events",
-			routes: []route{
-				{method: http.MethodGet, path: "/api/events", streaming: true, handler: func() echo.HandlerFunc {
-					return handleEvents(a.sse, a.db, a.cfg.SSE, a.cfg.InstanceID, a.timeouts.request)
-				}},
-			},
-		},
-		{
-			name: "dashboard",
-			routes: []route{
-				{method: http.MethodGet, path: "/api/instance", handler: func() echo.HandlerFunc {
-					return handleInstance(a.lc, a.redis, a.cfg.InstanceID, a.timeouts.request)
-				}},
-			},
-		},
-	}, a.demoFeatures()...)
+// workerKinds is every job kind some feature works, in declaration order.
+func workerKinds(features []feature) []string {
+	var kinds []string
+	for _, f := range features {
+		for _, w := range f.workers {
+			kinds = append(kinds, w.kind)
+		}
+	}
+	return kinds
 }
 
-// demoFeatures are the demo-only routes, off with KUMIKO_DEMO_ENDPOINTS=false
-// (then /api/slow is not registered and answers 404).
-func (a *app) demoFeatures() []feature {
-	if !a.cfg.HTTP.DemoEndpoints {
-		return nil
-	}
-	return []feature{{
-		name: "drainDemo",
-		routes: []route{
-			{method: http.MethodGet, path: "/api/slow", handler: func() echo.HandlerFunc { return handleSlow(a.cfg.HTTP.SlowMax) }},
-		},
-	}}
-}
-
-// orderSubscriptions are the jobs an order.created triggers: only those
-// whose dependency is configured (a missing one is skipped at phase 11/12).
-func (a *app) orderSubscriptions() []subscription {
-	var subs []subscription
-	if a.cfg.Search.URL != "" {
-		subs = append(subs, subscription{event: eventOrderCreated, job: jobIndexOrder})
-	}
-	if a.cfg.Storage.Endpoint != "" {
-		subs = append(subs, subscription{event: eventOrderCreated, job: jobWriteReceipt})
-	}
-	return subs
-}
-
-// validateFeatures is phase 6: every problem of the feature graph, all at once.
+// validateFeatures is phase 6: every problem of the feature list, all at once.
+// A job that something starts but no feature works would otherwise surface
+// only when the first event is delivered, as a poison event.
 func validateFeatures(features []feature) error {
 	var problems []error
 	now := time.Now() // a cron spec must tick within a year of now
@@ -132,49 +171,57 @@ func validateFeatures(features []feature) error {
 			owners[name] = owner
 		}
 	}
-	featureName, routeKey, eventName, jobName := seen("feature"), seen("route"), seen("event"), seen("job")
+	featureName, routeKey, eventName, jobKind := seen("feature"), seen("route"), seen("event"), seen("job")
 
-	events, jobs := map[string]bool{}, map[string]bool{}
+	events := map[string]bool{}
 	for _, f := range features {
 		featureName("the feature list", f.name)
-		for _, r := range f.routes {
-			routeKey(f.name, r.method+" "+r.path)
-			if !strings.HasPrefix(r.path, "/api/") {
-				problems = append(problems, fmt.Errorf("feature %s: route %s %s is outside /api/", f.name, r.method, r.path))
-			}
-		}
 		for _, e := range f.publishes {
 			eventName(f.name, e)
 			events[e] = true
 		}
-		for _, j := range f.jobs {
-			jobName(f.name, j)
-			jobs[j] = true
+		for _, w := range f.workers {
+			jobKind(f.name, w.kind)
 		}
 		for _, s := range f.requires {
 			if !s.present {
 				problems = append(problems, fmt.Errorf("feature %s needs %s, which is not set", f.name, s.name))
 			}
 		}
+		for _, r := range f.routes {
+			prefix := "/api/"
+			if r.admin {
+				prefix = "/admin/"
+			}
+			routeKey(f.name, r.method+" "+r.path)
+			if !strings.HasPrefix(r.path, prefix) {
+				problems = append(problems, fmt.Errorf("feature %s: route %s %s is outside %s", f.name, r.method, r.path, prefix))
+			}
+		}
 	}
 	// References are checked once every declaration is known, so the order of
 	// the feature list does not matter.
+	worked := workerKinds(features)
+	unworked := func(f feature, kind, how string) {
+		if !slices.Contains(worked, kind) {
+			problems = append(problems, fmt.Errorf("feature %s %s job %q, which no feature works (no worker)", f.name, how, kind))
+		}
+	}
 	for _, f := range features {
 		for _, s := range f.subscriptions {
 			if !events[s.event] {
 				problems = append(problems, fmt.Errorf("feature %s subscribes to unknown event %q", f.name, s.event))
 			}
-			if !jobs[s.job] {
-				problems = append(problems, fmt.Errorf("feature %s subscribes unknown job %q to %q", f.name, s.job, s.event))
-			}
+			unworked(f, s.kind, "subscribes "+s.event+" to")
 		}
 		for _, c := range f.crons {
-			if !jobs[c.job] {
-				problems = append(problems, fmt.Errorf("feature %s schedules unknown job %q", f.name, c.job))
-			}
+			unworked(f, c.kind, "schedules")
 			if _, err := parseSchedule(c.spec, now); err != nil {
-				problems = append(problems, fmt.Errorf("feature %s: cron %q for job %s: %w", f.name, c.spec, c.job, err))
+				problems = append(problems, fmt.Errorf("feature %s: cron %q for job %s: %w", f.name, c.spec, c.kind, err))
 			}
+		}
+		for _, m := range f.manualJobs {
+			unworked(f, m.kind, "lets an operator run")
 		}
 	}
 	return errors.Join(problems...)

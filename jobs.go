@@ -1,21 +1,18 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net/http"
-	"strconv"
+	"slices"
+	"strings"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/labstack/echo/v4"
-	"github.com/meilisearch/meilisearch-go"
-	"github.com/minio/minio-go/v7"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
@@ -23,115 +20,63 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// Job kinds. Each is a River job: durable in Postgres, retried with backoff,
-// rescued and run again when the worker running it crashed.
-const (
-	jobIndexOrder   = "indexOrder"   // order.created → the order in Meilisearch
-	jobWriteReceipt = "writeReceipt" // order.created → a sealed receipt object in S3
-	jobReport       = "report"       // cron (leader only) or manual → a report object in S3
-	jobSleep        = "sleep"        // manual: takes ms milliseconds, to watch a job survive a drain or a crash
-	jobPurgeOutbox  = "purgeOutbox"  // cron (leader only) or manual → delivered outbox events past the retention deleted
-)
-
-type indexOrderArgs struct {
-	OrderID int64 `json:"orderId"`
-}
-
-func (indexOrderArgs) Kind() string { return jobIndexOrder }
-
-type writeReceiptArgs struct {
-	OrderID int64 `json:"orderId"`
-}
-
-func (writeReceiptArgs) Kind() string { return jobWriteReceipt }
-
-// reportArgs is one report. ScheduledAt is unique: two leaders (or a leader
-// and its stale predecessor) can never enqueue the same cron tick twice.
-type reportArgs struct {
-	ScheduledAt  time.Time `json:"scheduledAt" river:"unique"`
-	FencingToken int64     `json:"fencingToken,omitempty"`
-	Manual       bool      `json:"manual,omitempty"`
-}
-
-func (reportArgs) Kind() string { return jobReport }
-
-// purgeOutboxArgs is one run of the outbox retention; unique per tick like the report.
-type purgeOutboxArgs struct {
-	ScheduledAt  time.Time `json:"scheduledAt" river:"unique"`
-	FencingToken int64     `json:"fencingToken,omitempty"`
-	Manual       bool      `json:"manual,omitempty"`
-}
-
-func (purgeOutboxArgs) Kind() string { return jobPurgeOutbox }
-
-func (purgeOutboxArgs) InsertOpts() river.InsertOpts {
-	return river.InsertOpts{UniqueOpts: river.UniqueOpts{ByArgs: true}}
-}
-
-type sleepArgs struct {
-	Ms int `json:"ms"`
-}
-
-func (sleepArgs) Kind() string { return jobSleep }
-
-func (reportArgs) InsertOpts() river.InsertOpts {
-	return river.InsertOpts{UniqueOpts: river.UniqueOpts{ByArgs: true}}
-}
-
 // jobs is the River client and what the rest of the process asks of it:
-// the jobs an event triggers, and the jobs an operator may run by hand.
+// the jobs an event triggers, and the jobs an operator may run by hand. Each
+// is a River job: durable in Postgres, retried with backoff, rescued and run
+// again when the worker running it crashed. The features declare them
+// (features.go).
 type jobs struct {
 	client      *river.Client[pgx.Tx]
-	stopping    atomic.Bool         // Stop has begun: a job cancelled now was interrupted, not failed
-	subscribers map[string][]string // event type → job kinds, from the feature graph
+	stopping    atomic.Bool               // Stop has begun: a job cancelled now was interrupted, not failed
+	subscribers map[string][]subscription // event type → the jobs it triggers
+	manual      map[string]manualJob      // kind → a job an operator may run
 	tracer      trace.Tracer
 	log         *logrus.Entry
 }
 
-// jobDeps is what the workers use; search and storage may be nil (not configured).
-type jobDeps struct {
-	db        *pgxpool.Pool
-	search    meilisearch.ServiceManager
-	storage   *minio.Client
-	bucket    string
-	masterKey *masterKey
-	log       *logrus.Entry
-	// outboxRetention is how long delivered outbox events are kept.
-	outboxRetention time.Duration
+// jobsDeps is what newJobs builds the River client from.
+type jobsDeps struct {
+	cfg        jobsConfig
+	softStop   time.Duration // how long a stop lets running jobs finish before River cancels them
+	instanceID string
+	features   []feature
+	work       workDeps
+	tracer     trace.Tracer
+	metrics    *metrics
+	log        *logrus.Entry
 }
 
 // newJobs creates the River client without starting it: the outbox poller
-// (phase 13) inserts jobs before the worker starts (phase 14). softStop is
-// how long a stop lets running jobs finish before River cancels them.
-func newJobs(d jobDeps, cfg jobsConfig, softStop time.Duration, instanceID string, features []feature, tracer trace.Tracer, m *metrics) (*jobs, error) {
+// (phase 13) inserts jobs before the worker starts (phase 14).
+func newJobs(d jobsDeps) (*jobs, error) {
 	workers := river.NewWorkers()
-	river.AddWorker(workers, river.WorkFunc(d.indexOrder))
-	river.AddWorker(workers, river.WorkFunc(d.writeReceipt))
-	river.AddWorker(workers, river.WorkFunc(d.writeReport))
-	river.AddWorker(workers, river.WorkFunc(sleepJob))
-	river.AddWorker(workers, river.WorkFunc(d.purgeOutbox))
-	j := &jobs{tracer: tracer, log: d.log}
-	client, err := river.NewClient(riverpgxv5.New(d.db), &river.Config{
-		ID:                   instanceID,
-		Queues:               map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: int(cfg.Workers)}},
+	j := &jobs{tracer: d.tracer, log: d.log, subscribers: map[string][]subscription{}, manual: map[string]manualJob{}}
+	for _, f := range d.features {
+		for _, w := range f.workers {
+			w.register(workers, d.work)
+		}
+		for _, s := range f.subscriptions {
+			j.subscribers[s.event] = append(j.subscribers[s.event], s)
+		}
+		for _, m := range f.manualJobs {
+			j.manual[m.kind] = m
+		}
+	}
+	client, err := river.NewClient(riverpgxv5.New(d.work.db), &river.Config{
+		ID:                   d.instanceID,
+		Queues:               map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: int(d.cfg.Workers)}},
 		Workers:              workers,
-		FetchPollInterval:    cfg.PollInterval,
-		JobTimeout:           cfg.Timeout,
-		RescueStuckJobsAfter: cfg.RescueAfter,
-		SoftStopTimeout:      softStop,
+		FetchPollInterval:    d.cfg.PollInterval,
+		JobTimeout:           d.cfg.Timeout,
+		RescueStuckJobsAfter: d.cfg.RescueAfter,
+		SoftStopTimeout:      d.softStop,
 		Logger:               riverLogger(d.log),
-		Middleware:           []rivertype.Middleware{traceAndCountJobs(tracer, m, j.stopping.Load, d.log)},
+		Middleware:           []rivertype.Middleware{traceAndCountJobs(d.tracer, d.metrics, j.stopping.Load, d.log)},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("creating the River client: %w", err)
 	}
-	subscribers := map[string][]string{}
-	for _, f := range features {
-		for _, s := range f.subscriptions {
-			subscribers[s.event] = append(subscribers[s.event], s.job)
-		}
-	}
-	j.client, j.subscribers = client, subscribers
+	j.client = client
 	return j, nil
 }
 
@@ -192,15 +137,15 @@ func (h logrusHandler) WithGroup(name string) slog.Handler {
 func (j *jobs) insertForEvents(ctx context.Context, tx pgx.Tx, events []outboxEvent) error {
 	var params []river.InsertManyParams
 	for _, ev := range events {
-		kinds := j.subscribers[ev.Type]
-		if len(kinds) == 0 {
+		subs := j.subscribers[ev.Type]
+		if len(subs) == 0 {
 			continue
 		}
 		meta := deliverySpan(ctx, j.tracer, ev)
-		for _, kind := range kinds {
-			args, err := jobForEvent(kind, ev)
+		for _, s := range subs {
+			args, err := s.args(ev)
 			if err != nil {
-				return err
+				return fmt.Errorf("event %d (%s) → job %s: %w", ev.ID, ev.Type, s.kind, err)
 			}
 			params = append(params, river.InsertManyParams{Args: args, InsertOpts: &river.InsertOpts{Metadata: meta}})
 		}
@@ -212,20 +157,6 @@ func (j *jobs) insertForEvents(ctx context.Context, tx pgx.Tx, events []outboxEv
 		return fmt.Errorf("inserting %d jobs: %w", len(params), err)
 	}
 	return nil
-}
-
-func jobForEvent(kind string, ev outboxEvent) (river.JobArgs, error) {
-	id, err := strconv.ParseInt(ev.AggregateID, 10, 64)
-	if err != nil {
-		return nil, fmt.Errorf("event %d: aggregate id %q is not an order id", ev.ID, ev.AggregateID)
-	}
-	switch kind {
-	case jobIndexOrder:
-		return indexOrderArgs{OrderID: id}, nil
-	case jobWriteReceipt:
-		return writeReceiptArgs{OrderID: id}, nil
-	}
-	return nil, fmt.Errorf("job %s cannot be triggered by event %s", kind, ev.Type)
 }
 
 // Start starts working jobs (phase 14). River keeps running until the
@@ -261,20 +192,13 @@ func (j *jobs) Stop(ctx context.Context) error {
 // whichever instance's worker picks it up.
 func handleRunJob(j *jobs) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		var args river.JobArgs
-		switch c.Param("name") {
-		case jobReport:
-			args = reportArgs{ScheduledAt: time.Now().UTC(), Manual: true}
-		case jobPurgeOutbox:
-			args = purgeOutboxArgs{ScheduledAt: time.Now().UTC(), Manual: true}
-		case jobSleep:
-			ms, err := strconv.Atoi(c.QueryParam("ms"))
-			if err != nil || ms < 0 || ms > int(maxSlowRequest.Milliseconds()) {
-				return apiError(http.StatusBadRequest, "invalid_ms", fmt.Sprintf("ms must be an integer from 0 to %d", maxSlowRequest.Milliseconds()))
-			}
-			args = sleepArgs{Ms: ms}
-		default:
-			return apiError(http.StatusNotFound, "unknown_job", "jobs that can be run by hand: "+jobReport+", "+jobPurgeOutbox+", "+jobSleep)
+		m, ok := j.manual[c.Param("name")]
+		if !ok {
+			return apiError(http.StatusNotFound, "unknown_job", "jobs that can be run by hand: "+strings.Join(slices.Sorted(maps.Keys(j.manual)), ", "))
+		}
+		args, err := m.args(c)
+		if err != nil {
+			return err
 		}
 		res, err := j.client.Insert(c.Request().Context(), args, nil)
 		if err != nil {
@@ -282,110 +206,4 @@ func handleRunJob(j *jobs) echo.HandlerFunc {
 		}
 		return c.JSON(http.StatusAccepted, map[string]any{"job": args.Kind(), "id": res.Job.ID})
 	}
-}
-
-// ---------------------------------------------------------------------------
-// Workers. Each must be idempotent: River runs a job again after a crash.
-
-// indexOrder puts the order into the Meilisearch index (replacing any earlier copy).
-func (d jobDeps) indexOrder(ctx context.Context, job *river.Job[indexOrderArgs]) error {
-	if d.search == nil {
-		return nil // search not configured: nothing to index into
-	}
-	o, err := loadOrder(ctx, d.db, job.Args.OrderID)
-	if err != nil {
-		return err
-	}
-	pk := "id"
-	if _, err := d.search.Index(ordersIndex).AddDocuments(ctx, []order{o}, &meilisearch.DocumentOptions{PrimaryKey: &pk}); err != nil {
-		return fmt.Errorf("indexing order %d: %w", o.ID, err)
-	}
-	return nil
-}
-
-// writeReceipt stores the order's receipt in S3, sealed with the master key:
-// the object store never sees a customer's order in the clear.
-func (d jobDeps) writeReceipt(ctx context.Context, job *river.Job[writeReceiptArgs]) error {
-	if d.storage == nil {
-		return nil
-	}
-	o, err := loadOrder(ctx, d.db, job.Args.OrderID)
-	if err != nil {
-		return err
-	}
-	plain, _ := json.Marshal(o)
-	name := fmt.Sprintf("receipts/%d.sealed", o.ID)
-	sealed := d.masterKey.seal(plain, []byte(name))
-	_, err = d.storage.PutObject(ctx, d.bucket, name, bytes.NewReader(sealed), int64(len(sealed)),
-		minio.PutObjectOptions{ContentType: "application/octet-stream", UserMetadata: map[string]string{"Key-Id": d.masterKey.id}})
-	if err != nil {
-		return fmt.Errorf("writing %s: %w", name, err)
-	}
-	return nil
-}
-
-// writeReport counts the orders so far and stores the count as
-// reports/<scheduled time>.json (the same tick always writes the same object).
-func (d jobDeps) writeReport(ctx context.Context, job *river.Job[reportArgs]) error {
-	var orders, pending int64
-	err := d.db.QueryRow(ctx, `SELECT (SELECT count(*) FROM orders),
-		(SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL AND dead_at IS NULL)`).Scan(&orders, &pending)
-	if err != nil {
-		return fmt.Errorf("counting for the report: %w", err)
-	}
-	report, _ := json.Marshal(map[string]any{"scheduledAt": job.Args.ScheduledAt, "manual": job.Args.Manual,
-		"orders": orders, "pendingEvents": pending, "fencingToken": job.Args.FencingToken})
-	if d.storage == nil {
-		d.log.WithField("report", string(report)).Info("report (no S3 configured)")
-		return nil
-	}
-	name := "reports/" + job.Args.ScheduledAt.UTC().Format(time.RFC3339Nano) + ".json"
-	_, err = d.storage.PutObject(ctx, d.bucket, name, bytes.NewReader(report), int64(len(report)),
-		minio.PutObjectOptions{ContentType: "application/json"})
-	if err != nil {
-		return fmt.Errorf("writing %s: %w", name, err)
-	}
-	return nil
-}
-
-// outboxPurgeBatch bounds one DELETE of the retention job: each batch is its
-// own short transaction, so a large backlog never locks the table for long.
-const outboxPurgeBatch = 1000
-
-// purgeOutbox deletes delivered outbox events older than the retention, in
-// batches. Pending events are never touched (delivered_at is null); dead
-// events are kept too, for an operator to look at (and delete by hand).
-func (d jobDeps) purgeOutbox(ctx context.Context, job *river.Job[purgeOutboxArgs]) error {
-	var deleted int64
-	for {
-		// Only delivered events have a delivery_seq, and its unique index
-		// yields them oldest first: each batch reads a short prefix of it.
-		tag, err := d.db.Exec(ctx, `DELETE FROM outbox_events WHERE id IN (
-			SELECT id FROM outbox_events
-			WHERE delivery_seq IS NOT NULL AND delivered_at < now() - make_interval(secs => $1) AND dead_at IS NULL
-			ORDER BY delivery_seq LIMIT $2 FOR UPDATE SKIP LOCKED)`, d.outboxRetention.Seconds(), outboxPurgeBatch)
-		if err != nil {
-			return fmt.Errorf("deleting delivered outbox events older than %s (%d deleted so far): %w", d.outboxRetention, deleted, err)
-		}
-		deleted += tag.RowsAffected()
-		if tag.RowsAffected() < outboxPurgeBatch {
-			break
-		}
-	}
-	d.log.WithFields(logrus.Fields{"job": jobPurgeOutbox, "deleted": deleted, "retention": d.outboxRetention.String()}).Info("outbox purged")
-	return nil
-}
-
-// sleepJob takes its time, honouring cancellation: a hard stop cancels it and
-// River runs it again later, here or elsewhere.
-func sleepJob(ctx context.Context, job *river.Job[sleepArgs]) error {
-	return sleepCtx(ctx, time.Duration(job.Args.Ms)*time.Millisecond)
-}
-
-func loadOrder(ctx context.Context, db *pgxpool.Pool, id int64) (order, error) {
-	o, err := scanOrder(db.QueryRow(ctx, `SELECT `+orderColumns+` FROM orders WHERE id = $1`, id))
-	if err != nil {
-		return order{}, fmt.Errorf("loading order %d: %w", id, err)
-	}
-	return o, nil
 }

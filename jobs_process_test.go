@@ -455,12 +455,17 @@ func TestProcessOutboxRetention(t *testing.T) {
 			VALUES ('test', 'recent', 'test.recent', '{}', now() - interval '20 minutes', now() - interval '10 minutes', nextval('outbox_delivery_seq'), now(), NULL, 0, NULL),
 			       ('test', 'pending', 'test.pending', '{}', now() - interval '3 hours', NULL, NULL, now() + interval '1 day', NULL, 3, 'retrying'),
 			       ('test', 'dead', 'test.dead', '{}', now() - interval '3 hours', NULL, NULL, now(), now() - interval '2 hours', 10, 'gave up')`)
-		if err != nil {
-			return err
-		}
-		return tx.QueryRow(ctx, `SELECT now()`).Scan(&inserted)
+		return err
 	})
 	if err != nil {
+		t.Fatal(err)
+	}
+	// After the commit: a purge job created later (River's created_at is its
+	// enqueue transaction's start) can only run on a snapshot that has the rows.
+	// Read inside the insert transaction, now() was that transaction's start,
+	// and a purge enqueued while the rows were being written passed the filter
+	// below without seeing them.
+	if err := pool.QueryRow(ctx, `SELECT now()`).Scan(&inserted); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, 15*time.Second, "a purge run after the inserts", func() bool {

@@ -12,7 +12,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
-	"github.com/riverqueue/river"
 	"github.com/robfig/cron/v3"
 	"github.com/sirupsen/logrus"
 )
@@ -324,9 +323,9 @@ type scheduler struct {
 	log     *logrus.Entry
 }
 
-// scheduledJob is one cron schedule: a job kind and when it runs.
+// scheduledJob is one feature's cron job with its parsed schedule.
 type scheduledJob struct {
-	job      string
+	cronJob
 	schedule cron.Schedule
 }
 
@@ -336,21 +335,10 @@ func cronsOf(features []feature) []scheduledJob {
 	var crons []scheduledJob
 	for _, f := range features {
 		for _, c := range f.crons {
-			crons = append(crons, scheduledJob{job: c.job, schedule: mustSchedule(c.spec)})
+			crons = append(crons, scheduledJob{cronJob: c, schedule: mustSchedule(c.spec)})
 		}
 	}
 	return crons
-}
-
-// cronArgs is the job one tick of a schedule inserts.
-func cronArgs(job string, tick time.Time, token int64) (river.JobArgs, error) {
-	switch job {
-	case jobReport:
-		return reportArgs{ScheduledAt: tick, FencingToken: token}, nil
-	case jobPurgeOutbox:
-		return purgeOutboxArgs{ScheduledAt: tick, FencingToken: token}, nil
-	}
-	return nil, fmt.Errorf("job %s cannot be scheduled by cron", job)
 }
 
 // fencedError means a newer leader's token is in the database: this leader
@@ -396,7 +384,7 @@ func (s *scheduler) lead(ctx context.Context, token int64) error {
 	next := make([]time.Time, len(s.crons))
 	for i, c := range s.crons {
 		if prev, ok := previousTick(c.schedule, now); ok {
-			if err := s.enqueue(ctx, log, token, c.job, prev); err != nil {
+			if err := s.enqueue(ctx, log, token, c.cronJob, prev); err != nil {
 				return err
 			}
 		}
@@ -415,7 +403,7 @@ func (s *scheduler) lead(ctx context.Context, token int64) error {
 				if next[i].IsZero() || next[i].After(time.Now()) {
 					continue // zero: a spec that never matches (robfig gives up after 5 years)
 				}
-				if err := s.enqueue(ctx, log, token, c.job, next[i]); err != nil {
+				if err := s.enqueue(ctx, log, token, c.cronJob, next[i]); err != nil {
 					return err
 				}
 				next[i] = followingTick(c.schedule, next[i], time.Now())
@@ -460,22 +448,18 @@ func (s *scheduler) heartbeat(ctx context.Context) {
 	}
 }
 
-// enqueue inserts the report of one tick, in a transaction that first checks
+// enqueue inserts the job of one tick, in a transaction that first checks
 // the fencing token against the database. Only a fence is returned as an
 // error (the leader must step down); other failures are logged and the next
 // tick tries again.
-func (s *scheduler) enqueue(ctx context.Context, log *logrus.Entry, token int64, job string, tick time.Time) error {
+func (s *scheduler) enqueue(ctx context.Context, log *logrus.Entry, token int64, job cronJob, tick time.Time) error {
 	tick = tick.UTC()
-	log = log.WithField("job", job)
+	log = log.WithField("job", job.kind)
 	err := pgx.BeginFunc(ctx, s.db, func(tx pgx.Tx) error {
 		if err := raiseFence(ctx, tx, token); err != nil {
 			return err
 		}
-		args, err := cronArgs(job, tick, token)
-		if err != nil {
-			return err
-		}
-		res, err := s.jobs.client.InsertTx(ctx, tx, args, nil)
+		res, err := s.jobs.client.InsertTx(ctx, tx, job.args(tick, token), nil)
 		if err == nil && res.UniqueSkippedAsDuplicate {
 			log.WithField("tick", tick).Debug("tick already enqueued")
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime/debug"
 	"sync"
 	"time"
 
@@ -80,7 +81,10 @@ func (lc *Lifecycle) State() State {
 func (lc *Lifecycle) Uptime() time.Duration { return time.Since(lc.born) }
 
 // OnStateChange calls fn after every transition, in registration order, on the
-// goroutine that made the transition. The returned func unregisters fn.
+// goroutine that made the transition: the process's one way to react to a
+// state change. An observer that panics is logged and counted
+// (kumiko_panics_total{component="stateObserver"}), and the transition goes
+// on: a broken observer must not stop a drain. The returned func unregisters fn.
 func (lc *Lifecycle) OnStateChange(fn func(from, to State)) (unregister func()) {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
@@ -122,8 +126,19 @@ func (lc *Lifecycle) moveTo(to State) {
 	}
 	lc.metrics.stateChanged(from, to)
 	for _, l := range listeners {
-		l.fn(from, to)
+		lc.notify(l, from, to)
 	}
+}
+
+func (lc *Lifecycle) notify(l stateListener, from, to State) {
+	defer func() {
+		if r := recover(); r != nil {
+			lc.metrics.panics.WithLabelValues("stateObserver").Inc()
+			lc.log.WithFields(logrus.Fields{"panic": fmt.Sprint(r), "stack": string(debug.Stack()), "from": from.String(), "to": to.String()}).
+				Error("state-change observer panicked")
+		}
+	}()
+	l.fn(from, to)
 }
 
 // advanceTo moves to the state unless the process is already there or beyond it.

@@ -9,6 +9,9 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/labstack/echo/v4"
+	"github.com/riverqueue/river"
 )
 
 func newTestLifecycle() *Lifecycle {
@@ -172,17 +175,22 @@ func TestHookDeadlineKeepsAReserveForLaterHooks(t *testing.T) {
 }
 
 func TestValidateFeaturesListsEveryProblem(t *testing.T) {
+	index := func(workDeps, context.Context, *river.Job[indexOrderArgs]) error { return nil }
+	indexArgs := func(outboxEvent) (indexOrderArgs, error) { return indexOrderArgs{}, nil }
+	reportAt := func(tick time.Time, _ int64) reportArgs { return reportArgs{ScheduledAt: tick} }
 	err := validateFeatures([]feature{
-		{name: "orders", publishes: []string{"order.created"}, jobs: []string{"indexOrder"},
-			subscriptions: []subscription{{event: "order.created", job: "indexOrder"}, {event: "order.shipped", job: "indexOrder"}},
-			crons:         []cronSchedule{{job: "report", spec: "*/5 * * *"}}},
+		{name: "orders", publishes: []string{"order.created"}, workers: []worker{work(index)},
+			subscriptions: []subscription{subscribe("order.created", indexArgs), subscribe("order.shipped", indexArgs)},
+			crons:         []cronJob{schedule("*/5 * * *", reportAt)}},
 		{name: "orders", requires: []setting{{name: "MEILI_URL", present: false}}},
-		{name: "reports", jobs: []string{"indexOrder"}, routes: []route{{method: "GET", path: "/reports"}}},
+		{name: "reports", workers: []worker{work(index)}, routes: []route{{method: "GET", path: "/reports"}},
+			manualJobs: []manualJob{byHand(func(echo.Context) (sleepArgs, error) { return sleepArgs{}, nil })}},
 	})
 	if err == nil {
 		t.Fatal("no error")
 	}
-	for _, want := range []string{`feature "orders" is declared by both`, `unknown event "order.shipped"`, `unknown job "report"`,
+	for _, want := range []string{`feature "orders" is declared by both`, `unknown event "order.shipped"`,
+		`schedules job "report", which no feature works`, `run job "sleep", which no feature works`,
 		`cron "*/5 * * *"`, "needs MEILI_URL", `job "indexOrder" is declared by both`, "outside /api/"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("missing %q in:\n%v", want, err)

@@ -144,7 +144,6 @@ type metrics struct {
 	sseStreams        prometheus.Gauge
 	sseDropped        prometheus.Counter
 	sseSendLag        prometheus.Histogram
-	ordersCreated     *prometheus.CounterVec
 	leader            prometheus.Gauge
 	leaderTransitions prometheus.Counter
 	leaderFenced      prometheus.Gauge
@@ -229,9 +228,6 @@ func newMetrics() *metrics {
 			Help:    "From writing an event to handing it to a stream's connection, for the oldest event of each write: how far the fan-out runs behind.",
 			Buckets: []float64{.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 5, 30},
 		}),
-		ordersCreated: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: metricNamespace, Name: "orders_total", Help: "POST /api/orders outcomes: created, replayed, conflict.",
-		}, []string{"result"}),
 		leader: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "leader", Help: "1 while this instance leads (schedules the cron jobs).",
 		}),
@@ -258,7 +254,7 @@ func newMetrics() *metrics {
 		m.httpInFlight, m.httpRequests, m.httpDuration, m.readinessOK, m.readinessProbes, m.panics,
 		m.connectAttempts, m.heartbeatWritten,
 		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxWakeFailed, m.outboxLatency,
-		m.sseStreams, m.sseDropped, m.sseSendLag, m.ordersCreated, m.leader, m.leaderTransitions, m.leaderFenced, m.leaderFencedTotal, m.jobs, m.jobDuration,
+		m.sseStreams, m.sseDropped, m.sseSendLag, m.leader, m.leaderTransitions, m.leaderFenced, m.leaderFencedTotal, m.jobs, m.jobDuration,
 	)
 	m.initKnownLabels()
 	return m
@@ -268,13 +264,11 @@ func newMetrics() *metrics {
 // series until its first increment, so increase(...) cannot see that first
 // one (increase needs two samples): every series listed here starts at 0.
 var (
-	// panicComponents: the onPanic callbacks (app.go), the event bus and the
-	// two HTTP servers' recover middleware.
-	panicComponents  = []string{"api", "ops", "sse", "outboxPoller", "leader", "jobsHeartbeat", "clusterStatus", "events"}
+	// panicComponents: the onPanic callbacks (app.go), the state-change
+	// observers (lifecycle.go) and the two HTTP servers' recover middleware.
+	panicComponents  = []string{"api", "ops", "sse", "outboxPoller", "leader", "jobsHeartbeat", "clusterStatus", "stateObserver"}
 	connectTargets   = []string{"postgres", "redis", "outboxPoller", "jobsWorker", "leaderElection"}
 	heartbeatWorkers = []string{"outbox", "jobs", "scheduler"}
-	orderResults     = []string{"created", "replayed", "conflict"}
-	jobKinds         = []string{jobIndexOrder, jobWriteReceipt, jobReport, jobSleep}
 )
 
 func (m *metrics) initKnownLabels() {
@@ -293,12 +287,16 @@ func (m *metrics) initKnownLabels() {
 		for _, w := range heartbeatWorkers {
 			m.heartbeatWritten.WithLabelValues(w, r)
 		}
-		for _, k := range jobKinds {
+	}
+}
+
+// initJobKinds starts the jobs counter of every kind the features work at 0
+// (phase 5, once the kinds are known).
+func (m *metrics) initJobKinds(kinds []string) {
+	for _, k := range kinds {
+		for _, r := range []string{"ok", "failed", "interrupted"} {
 			m.jobs.WithLabelValues(k, r)
 		}
-	}
-	for _, r := range orderResults {
-		m.ordersCreated.WithLabelValues(r)
 	}
 }
 

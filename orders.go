@@ -12,24 +12,18 @@ import (
 	"io"
 	"mime"
 	"net/http"
-	"net/url"
 	"os"
-	"reflect"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
-	"unicode"
 	"unicode/utf8"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/labstack/echo/v4"
-	"github.com/meilisearch/meilisearch-go"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"github.com/sirupsen/logrus"
 )
@@ -46,6 +40,69 @@ const (
 	// after it the marker is gone and the unique column decides.
 	idempotencyMarkerTTL = 5 * time.Minute
 )
+
+// ordersFeature is the demo's business capability: orders taken over the
+// API, each announcing itself as order.created through the outbox, which
+// indexes it in Meilisearch and writes its sealed receipt to S3; a report
+// counts them on a cron. Without it (scripts/new-service.sh --bare, or
+// deleting orders*.go and its line in registerFeatures) the service is the
+// lifecycle alone.
+func ordersFeature(cfg config) feature {
+	created := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: metricNamespace, Name: "orders_total", Help: "POST /api/orders outcomes: created, replayed, conflict.",
+	}, []string{"result"})
+	for _, r := range []string{"created", "replayed", "conflict"} {
+		created.WithLabelValues(r) // at 0 from the start, for increase(...)
+	}
+	f := feature{
+		name:      "orders",
+		publishes: []string{eventOrderCreated},
+		workers:   []worker{work(indexOrder), work(writeReceipt), work(writeReport)},
+		crons: []cronJob{schedule(cfg.Jobs.ReportCron, func(tick time.Time, token int64) reportArgs {
+			return reportArgs{ScheduledAt: tick, FencingToken: token}
+		})},
+		manualJobs: []manualJob{byHand(func(echo.Context) (reportArgs, error) {
+			return reportArgs{ScheduledAt: time.Now().UTC(), Manual: true}, nil
+		})},
+		searchIndexes: []searchIndex{{uid: ordersIndex, primaryKey: "id", searchable: []string{"customer", "items.sku"}}},
+		collectors:    []prometheus.Collector{created},
+		routes: []route{
+			{method: http.MethodPost, path: "/api/orders", handler: func(d routeDeps) echo.HandlerFunc {
+				return handleCreateOrder(d.db, d.redis, d.timeouts, created, d.log.WithField("component", "orders"))
+			}},
+			{method: http.MethodGet, path: "/api/orders/:id", handler: func(d routeDeps) echo.HandlerFunc { return handleGetOrder(d.db, d.timeouts) }},
+			{method: http.MethodGet, path: "/api/orders", handler: func(d routeDeps) echo.HandlerFunc { return handleListOrders(d.db, d.timeouts) }},
+			// Names and items are personal data: searched on the ops port only.
+			{method: http.MethodGet, path: "/admin/orders", admin: true, handler: func(d routeDeps) echo.HandlerFunc {
+				return handleSearchOrders(d.db, d.search, d.timeouts, d.log.WithField("component", "orders"))
+			}},
+		},
+	}
+	// An order triggers only the jobs whose dependency is configured (a
+	// configured one that is down is skipped at phase 11/12 and retried by River).
+	if cfg.Search.URL != "" {
+		f.subscriptions = append(f.subscriptions, subscribe(eventOrderCreated, func(ev outboxEvent) (indexOrderArgs, error) {
+			id, err := orderIDOf(ev)
+			return indexOrderArgs{OrderID: id}, err
+		}))
+	}
+	if cfg.Storage.Endpoint != "" {
+		f.subscriptions = append(f.subscriptions, subscribe(eventOrderCreated, func(ev outboxEvent) (writeReceiptArgs, error) {
+			id, err := orderIDOf(ev)
+			return writeReceiptArgs{OrderID: id}, err
+		}))
+	}
+	return f
+}
+
+// orderIDOf is the order an order event is about: its aggregate id.
+func orderIDOf(ev outboxEvent) (int64, error) {
+	id, err := strconv.ParseInt(ev.AggregateID, 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("aggregate id %q is not an order id", ev.AggregateID)
+	}
+	return id, nil
+}
 
 // order is an order as stored and as answered. Clients only ever see the
 // opaque PublicID (as "id"); the sequential ID stays inside, for joins, jobs
@@ -174,7 +231,7 @@ func decodeOrder(c echo.Context) (newOrder, error) {
 // dependency call shares the request's budget (t.request): a hung database
 // is a 503 within it, and a Redis that does not answer within t.marker gives
 // way to the unique column.
-func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, t timeouts, m *metrics, log *logrus.Entry) echo.HandlerFunc {
+func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, t timeouts, created *prometheus.CounterVec, log *logrus.Entry) echo.HandlerFunc {
 	return func(c echo.Context) error {
 		req, err := decodeOrder(c)
 		if err != nil {
@@ -204,7 +261,7 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, t timeouts, m *metri
 			if err != nil {
 				return err
 			}
-			m.ordersCreated.WithLabelValues("created").Inc()
+			created.WithLabelValues("created").Inc()
 			return c.JSON(http.StatusCreated, o)
 		}
 		if len(key) > maxIdempotencyKey || !printableASCII(key) {
@@ -217,7 +274,7 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, t timeouts, m *metri
 
 		// Done before? Answer exactly as the first time.
 		if o, err := byKey(); err == nil {
-			return replay(c, m, o)
+			return replay(c, created, o)
 		} else if !errors.Is(err, pgx.ErrNoRows) {
 			return err
 		}
@@ -232,9 +289,9 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, t timeouts, m *metri
 		switch {
 		case err == nil && !acquired:
 			if o, err := byKey(); err == nil {
-				return replay(c, m, o) // it finished in the meantime
+				return replay(c, created, o) // it finished in the meantime
 			}
-			m.ordersCreated.WithLabelValues("conflict").Inc()
+			created.WithLabelValues("conflict").Inc()
 			return apiError(http.StatusConflict, "request_in_progress", "a request with this Idempotency-Key is still in progress; retry later")
 		case err != nil:
 			// Without Redis the unique column still prevents a second order;
@@ -256,13 +313,13 @@ func handleCreateOrder(db *pgxpool.Pool, rdb *redis.Client, t timeouts, m *metri
 			// The key's unique index refused this order: another request
 			// with the same key won the race.
 			if o, err := byKey(); err == nil {
-				return replay(c, m, o)
+				return replay(c, created, o)
 			}
 		}
 		if err != nil {
 			return err
 		}
-		m.ordersCreated.WithLabelValues("created").Inc()
+		created.WithLabelValues("created").Inc()
 		return c.JSON(http.StatusCreated, o)
 	}
 }
@@ -277,8 +334,8 @@ func releaseMarker(ctx context.Context, rdb *redis.Client, marker, token string)
 	return nil
 }
 
-func replay(c echo.Context, m *metrics, o order) error {
-	m.ordersCreated.WithLabelValues("replayed").Inc()
+func replay(c echo.Context, created *prometheus.CounterVec, o order) error {
+	created.WithLabelValues("replayed").Inc()
 	c.Response().Header().Set("Idempotent-Replayed", "true")
 	return c.JSON(http.StatusCreated, o)
 }
@@ -445,96 +502,6 @@ func handleListOrders(db *pgxpool.Pool, t timeouts) echo.HandlerFunc {
 	}
 }
 
-// searchTimeout bounds the Meilisearch query: past it, SQL answers instead.
-const searchTimeout = 500 * time.Millisecond
-
-// searchPoolShare: searches, which may scan, hold at most this share of the
-// pool's connections at once (at least one), so no search can starve the
-// order path and the workers of connections.
-const searchPoolShare = 4
-
-// handleSearchOrders is GET /admin/orders?q= on the ops port, behind the
-// admin token: up to 50 whole orders whose customer or SKUs match q, from
-// Meilisearch when it answers, else the newest 50 whose customer contains q,
-// from SQL. X-Search-Source says which answered. The index is filled by the
-// order-indexing job; without q, SQL lists the newest. At most a share of
-// the pool searches at once; a search that finds no slot within the
-// request's budget is answered 503 with Retry-After.
-func handleSearchOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, t timeouts, log *logrus.Entry) echo.HandlerFunc {
-	slots := make(chan struct{}, max(1, int(db.Config().MaxConns)/searchPoolShare))
-	return func(c echo.Context) error {
-		q, err := searchQuery(c)
-		if err != nil {
-			return err
-		}
-		ctx, cancel := context.WithTimeout(c.Request().Context(), t.request)
-		defer cancel()
-		select {
-		case slots <- struct{}{}:
-			defer func() { <-slots }()
-		case <-ctx.Done():
-			c.Response().Header().Set("Retry-After", "1")
-			return apiError(http.StatusServiceUnavailable, "busy", "too many searches right now; retry shortly")
-		}
-		if search != nil && q != "" {
-			sctx, cancel := context.WithTimeout(ctx, min(searchTimeout, t.request/2)) // SQL gets the rest
-			ids, err := searchOrderIDs(sctx, search, q, 50)
-			cancel()
-			if err == nil {
-				orders, err := retrySafe(ctx, db, func(ctx context.Context) ([]order, error) { return ordersByID(ctx, db, ids) })
-				if err != nil {
-					return err
-				}
-				c.Response().Header().Set("X-Search-Source", "meilisearch")
-				return c.JSON(http.StatusOK, map[string]any{"orders": orders})
-			}
-			log.WithError(err).Warn("search unavailable, answering from SQL")
-		}
-		orders, err := retrySafe(ctx, db, func(ctx context.Context) ([]order, error) {
-			return collectOrders(db.Query(ctx, `SELECT `+orderColumns+` FROM orders
-				WHERE $1 = '' OR strpos(lower(customer), lower($1)) > 0
-				ORDER BY id DESC LIMIT 50`, q))
-		})
-		if err != nil {
-			return fmt.Errorf("listing orders: %w", err)
-		}
-		c.Response().Header().Set("X-Search-Source", "sql")
-		return c.JSON(http.StatusOK, map[string]any{"orders": orders})
-	}
-}
-
-// searchQuery is the q parameter, refused with a 400 naming it unless it is
-// text a person could type: echo's QueryParam silently drops a query string
-// that is not valid URL encoding, and Postgres answers a NUL or invalid UTF-8
-// (q=%00, q=%ff) with an error that was a 500.
-func searchQuery(c echo.Context) (string, error) {
-	query, err := url.ParseQuery(c.Request().URL.RawQuery)
-	if err != nil {
-		return "", apiError(http.StatusBadRequest, "invalid_query", "the query string is not valid URL encoding")
-	}
-	switch qs := query["q"]; {
-	case len(qs) == 0:
-		return "", nil
-	case len(qs) > 1:
-		return "", apiError(http.StatusBadRequest, "invalid_query", "q: give it once")
-	case utf8.RuneCountInString(qs[0]) > 200:
-		return "", apiError(http.StatusBadRequest, "invalid_query", "q: must be at most 200 characters")
-	default:
-		if problem := textProblem(qs[0]); problem != "" {
-			return "", apiError(http.StatusBadRequest, "invalid_query", "q: "+problem)
-		}
-		return qs[0], nil
-	}
-}
-
-// ordersByID loads orders by public id in the order of ids (the search
-// ranking); ids the database does not know (an index lagging a deletion) are
-// left out.
-func ordersByID(ctx context.Context, db *pgxpool.Pool, ids []uuid.UUID) ([]order, error) {
-	return collectOrders(db.Query(ctx, `SELECT o.id, o.public_id, o.customer, o.items, o.total_cents, o.created_at
-		FROM unnest($1::uuid[]) WITH ORDINALITY AS s(id, rank) JOIN orders o ON o.public_id = s.id ORDER BY s.rank`, ids))
-}
-
 func collectOrders(rows pgx.Rows, err error) ([]order, error) {
 	if err != nil {
 		return nil, err
@@ -553,166 +520,3 @@ func collectOrders(rows pgx.Rows, err error) ([]order, error) {
 
 // orderFieldNames are the JSON keys of an order body, exactly as spelled.
 var orderFieldNames = []string{"customer", "items", "sku", "qty", "priceCents"}
-
-// keyProblem walks the object keys of a JSON body and names the first one
-// encoding/json would take in a way the client did not mean: a key given
-// twice in one object (encoding/json keeps the last, so {"customer":"A",
-// "customer":"B"} stores B), or a key that matches a field only when case is
-// ignored ("CUSTOMER", "Customer", even "ſku" with a long s), which
-// encoding/json accepts although DisallowUnknownFields is set. A body that is
-// not JSON is left to the decoder, which names the syntax error.
-func keyProblem(raw []byte, names []string) string {
-	type object struct {
-		seen     map[string]bool
-		awaitKey bool
-	}
-	var stack []*object
-	dec := json.NewDecoder(bytes.NewReader(raw))
-	for {
-		tok, err := dec.Token()
-		if err != nil {
-			return ""
-		}
-		var top *object
-		if len(stack) > 0 {
-			top = stack[len(stack)-1]
-		}
-		if key, ok := tok.(string); ok && top != nil && top.awaitKey {
-			top.awaitKey = false
-			switch {
-			case slices.Contains(names, key) && top.seen[key]:
-				return fmt.Sprintf("duplicate field %s", quoteKey(key))
-			case slices.Contains(names, key):
-				top.seen[key] = true
-			default:
-				for _, n := range names {
-					if strings.EqualFold(key, n) {
-						return fmt.Sprintf("unknown field %s: field names are case-sensitive, this one is %q", quoteKey(key), n)
-					}
-				}
-			}
-			continue
-		}
-		switch tok {
-		case json.Delim('{'):
-			stack = append(stack, &object{seen: map[string]bool{}, awaitKey: true})
-			continue
-		case json.Delim('['):
-			stack = append(stack, &object{}) // an array: no keys
-			continue
-		case json.Delim('}'), json.Delim(']'):
-			stack = stack[:len(stack)-1]
-			if len(stack) == 0 {
-				return "" // the first value ended; trailing data is the decoder's to refuse
-			}
-			top = stack[len(stack)-1]
-		}
-		if top != nil && top.seen != nil {
-			top.awaitKey = true // a member's value ended: a key comes next
-		}
-	}
-}
-
-// quoteKey quotes a client's key for an error message, short and in ASCII,
-// so neither its length nor its characters reach logs and terminals as sent.
-func quoteKey(key string) string {
-	if utf8.RuneCountInString(key) > 40 {
-		key = string([]rune(key)[:40]) + "…"
-	}
-	return strconv.QuoteToASCII(key)
-}
-
-// jsonProblem says what is wrong with a body in the client's terms: the field
-// and the JSON type it needs, never a Go type name or a decoder internal.
-func jsonProblem(err error) string {
-	var typeErr *json.UnmarshalTypeError
-	var syntaxErr *json.SyntaxError
-	switch {
-	case errors.As(err, &typeErr):
-		field := typeErr.Field
-		if field == "" {
-			field = "the body"
-		}
-		return fmt.Sprintf("%s: expected %s, got %s", field, jsonKind(typeErr.Type), typeErr.Value)
-	case errors.As(err, &syntaxErr):
-		return fmt.Sprintf("malformed JSON at byte %d", syntaxErr.Offset)
-	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
-		return "the JSON object is empty or ends too early"
-	}
-	// The decoder's unknown-field error names only the client's own key.
-	if field, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
-		return "unknown field " + field
-	}
-	return "the body is not a valid order"
-}
-
-// jsonKind names the JSON type a Go type is decoded from.
-func jsonKind(t reflect.Type) string {
-	if t == nil {
-		return "another type"
-	}
-	switch t.Kind() {
-	case reflect.String:
-		return "a string"
-	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
-		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
-		return "an integer"
-	case reflect.Float32, reflect.Float64:
-		return "a number"
-	case reflect.Bool:
-		return "true or false"
-	case reflect.Slice, reflect.Array:
-		return "an array"
-	case reflect.Struct, reflect.Map:
-		return "an object"
-	}
-	return "another type"
-}
-
-// textProblem says what keeps s from being stored or searched as text a
-// person reads, or "" when nothing does. Refused: invalid UTF-8; control
-// characters (C0 incl. NUL, DEL, C1: they break logs, terminals and some
-// drivers); U+FFFD, which is what encoding/json makes of a lone surrogate
-// such as "\ud800" (the client sent something else than what would be
-// stored); and format characters (Unicode Cf: invisible, so "\u200b" looks
-// like an empty name), bidi controls above all (U+202E turns "Ada\u202Egpj.exe"
-// into a different-looking name in every view). The zero-width joiners U+200C
-// and U+200D stay allowed: Persian, Indic scripts and emoji need them.
-func textProblem(s string) string {
-	if !utf8.ValidString(s) {
-		return "must be valid UTF-8"
-	}
-	for _, r := range s {
-		switch {
-		case r == utf8.RuneError:
-			return `must not contain U+FFFD (a replacement character; a lone surrogate such as \ud800 becomes one)`
-		case unicode.IsControl(r):
-			return "must not contain control characters"
-		case unicode.Is(unicode.Bidi_Control, r):
-			return fmt.Sprintf("must not contain the bidi control U+%04X", r)
-		case unicode.Is(unicode.Cf, r) && r != '\u200c' && r != '\u200d':
-			return fmt.Sprintf("must not contain the invisible format character U+%04X", r)
-		}
-	}
-	return ""
-}
-
-// visible reports whether s shows at least one character: a name made of
-// spaces and joiners only is empty to whoever reads it.
-func visible(s string) bool {
-	return strings.IndexFunc(s, func(r rune) bool { return unicode.IsGraphic(r) && !unicode.IsSpace(r) }) >= 0
-}
-
-func isUniqueViolation(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UniqueViolation
-}
-
-func printableASCII(s string) bool {
-	for i := 0; i < len(s); i++ {
-		if s[i] < 0x20 || s[i] > 0x7e {
-			return false
-		}
-	}
-	return s != ""
-}

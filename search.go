@@ -5,13 +5,12 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/google/uuid"
 	"github.com/meilisearch/meilisearch-go"
 )
 
 // searchAdapter is phase 11. Search is an optional dependency: when it is down
-// the boot goes on and the features that use it fall back (orders search uses
-// SQL). Its readiness check is shown but never fails readiness.
+// the boot goes on and the features that use it fall back (the orders demo's
+// search uses SQL). Its readiness check is shown but never fails readiness.
 func (a *app) searchAdapter(ctx context.Context, p *phaseRun) error {
 	if a.cfg.Search.URL == "" {
 		a.health.RegisterSkipped("search", "MEILI_URL is not set")
@@ -31,44 +30,32 @@ func (a *app) searchAdapter(ctx context.Context, p *phaseRun) error {
 	if err := healthy(ctx); err != nil {
 		return fmt.Errorf("meilisearch at %s is unavailable, search falls back to SQL: %w", redactConnString(a.cfg.Search.URL), err)
 	}
-	if err := ensureOrdersIndex(ctx, client); err != nil {
-		return fmt.Errorf("preparing the %s index, search falls back to SQL: %w", ordersIndex, err)
+	for _, f := range a.features {
+		for _, ix := range f.searchIndexes {
+			if err := ensureIndex(ctx, client, ix); err != nil {
+				return fmt.Errorf("preparing the %s index of feature %s, its search falls back: %w", ix.uid, f.name, err)
+			}
+		}
 	}
 	return nil
 }
 
-// ordersIndex is the Meilisearch index of orders.
-const ordersIndex = "orders"
-
-// ensureOrdersIndex creates the orders index and its settings. Meilisearch
-// applies both as asynchronous tasks, and creating an index that exists is a
-// task that fails harmlessly, so two instances booting at once need no lock.
-func ensureOrdersIndex(ctx context.Context, client meilisearch.ServiceManager) error {
-	if _, err := client.CreateIndex(ctx, &meilisearch.IndexConfig{Uid: ordersIndex, PrimaryKey: "id"}); err != nil {
-		return err
-	}
-	_, err := client.Index(ordersIndex).UpdateSearchableAttributes(ctx, &[]string{"customer", "items.sku"})
-	return err
+// searchIndex is a Meilisearch index a feature searches: phase 11 creates it
+// with its primary key and searchable attributes.
+type searchIndex struct {
+	uid, primaryKey string
+	searchable      []string
 }
 
-// searchOrderIDs asks Meilisearch for the (public) ids of the orders matching
-// q, best first.
-func searchOrderIDs(ctx context.Context, client meilisearch.ServiceManager, q string, limit int64) ([]uuid.UUID, error) {
-	resp, err := client.Index(ordersIndex).Search(ctx, q, &meilisearch.SearchRequest{Limit: limit, AttributesToRetrieve: []string{"id"}})
-	if err != nil {
-		return nil, err
+// ensureIndex creates the index and its settings. Meilisearch applies both
+// as asynchronous tasks, and creating an index that exists is a task that
+// fails harmlessly, so two instances booting at once need no lock.
+func ensureIndex(ctx context.Context, client meilisearch.ServiceManager, ix searchIndex) error {
+	if _, err := client.CreateIndex(ctx, &meilisearch.IndexConfig{Uid: ix.uid, PrimaryKey: ix.primaryKey}); err != nil {
+		return err
 	}
-	var hits []struct {
-		ID uuid.UUID `json:"id"`
-	}
-	if err := resp.Hits.DecodeInto(&hits); err != nil {
-		return nil, fmt.Errorf("decoding search hits: %w", err)
-	}
-	ids := make([]uuid.UUID, len(hits))
-	for i, h := range hits {
-		ids[i] = h.ID
-	}
-	return ids, nil
+	_, err := client.Index(ix.uid).UpdateSearchableAttributes(ctx, &ix.searchable)
+	return err
 }
 
 func searchHealthy(ctx context.Context, client meilisearch.ServiceManager) error {
