@@ -78,9 +78,19 @@ func (a *app) serverFailed(err error) {
 	a.stop.request(stopRequest{reason: "listener failed", failed: true})
 }
 
-// panicked handles a panic in a background goroutine. The process is in an
-// unknown state now: the panic is logged with its stack, counted, and starts a
-// graceful shutdown that ends in exit 1.
+// The panic policy, one per kind of goroutine; every panic is logged with its
+// stack and counted in kumiko_panics_total{component}:
+//   - a background component's goroutine (startStop: the poller, the hub, the
+//     heartbeats, the elector, the dashboard record): panicked below. The
+//     process is in an unknown state: a graceful shutdown, exit 1.
+//   - an HTTP handler (recoverPanics, api.go): that request is answered 500,
+//     the process serves on; a request's state dies with it.
+//   - a state-change observer (Lifecycle.notify): the transition goes on; a
+//     broken observer must not stop a drain.
+//   - a job: River recovers it and the job fails and is retried with
+//     backoff, like any failed job (counted failed in kumiko_jobs_total).
+//
+// panicked handles a panic in a background goroutine.
 func (a *app) panicked(component string, recovered any) {
 	a.metrics.panics.WithLabelValues(component).Inc()
 	a.log.WithFields(logrus.Fields{"component": component, "panic": fmt.Sprint(recovered), "stack": string(debug.Stack())}).Error("background goroutine panicked")

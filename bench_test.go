@@ -13,7 +13,6 @@ import (
 	"net/http"
 	"os/exec"
 	"slices"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -115,39 +114,6 @@ func BenchmarkLifecycleSIGTERMToExit(b *testing.B) {
 	reportMedian(b, "sigterm-to-exit", stops)
 }
 
-// BenchmarkLifecycleReadinessStorm: many clients hammer /health/ready; the
-// DB is pinged once per cache TTL (1s by default) however hard they push.
-func BenchmarkLifecycleReadinessStorm(b *testing.B) {
-	env, ops := benchEnv(b)
-	env["KUMIKO_READINESS_CACHE_TTL"] = "1s"
-	cmd := benchCmd(env)
-	if err := cmd.Start(); err != nil {
-		b.Fatal(err)
-	}
-	defer func() { cmd.Process.Signal(syscall.SIGTERM); cmd.Wait() }()
-	waitReady200(b, ops)
-	pingsBefore := dbProbes(b, ops)
-
-	transport := &http.Transport{MaxIdleConnsPerHost: 256}
-	client := &http.Client{Transport: transport}
-	b.SetParallelism(32)
-	start := time.Now()
-	b.RunParallel(func(pb *testing.PB) {
-		for pb.Next() {
-			resp, err := client.Get(ops + "/health/ready")
-			if err != nil {
-				b.Error(err)
-				return
-			}
-			resp.Body.Close()
-		}
-	})
-	elapsed := time.Since(start)
-	pings := dbProbes(b, ops) - pingsBefore
-	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "probes/s")
-	b.ReportMetric(pings/elapsed.Seconds(), "db-pings/s")
-}
-
 // dbProbes reads kumiko_readiness_probes_total{check="db"} from /metrics.
 func dbProbes(b *testing.B, ops string) float64 {
 	b.Helper()
@@ -156,43 +122,4 @@ func dbProbes(b *testing.B, ops string) float64 {
 		b.Fatal(err)
 	}
 	return v
-}
-
-// BenchmarkTracingOverhead compares boot time and POST /api/orders latency
-// with traces exported to a real OTLP/HTTP receiver and with the noop provider.
-//
-//	go test -run '^$' -bench TracingOverhead -benchtime 200x .
-func BenchmarkTracingOverhead(b *testing.B) {
-	for _, mode := range []string{"off", "on"} {
-		b.Run("tracing="+mode, func(b *testing.B) {
-			env, ops := benchEnv(b)
-			if mode == "on" {
-				env["OTEL_EXPORTER_OTLP_ENDPOINT"] = newOTLPReceiver(b).srv.URL
-			}
-			var boots []time.Duration
-			for range 5 {
-				boots = append(boots, timeBoot(b, env, ops))
-			}
-
-			cmd := benchCmd(env)
-			if err := cmd.Start(); err != nil {
-				b.Fatal(err)
-			}
-			defer func() { cmd.Process.Signal(syscall.SIGTERM); cmd.Wait() }()
-			waitReady200(b, ops)
-			api := "http://" + env["KUMIKO_HTTP_ADDR"] + "/api/orders"
-			var lat []time.Duration
-			for b.Loop() {
-				start := time.Now()
-				resp, err := http.Post(api, "application/json", strings.NewReader(validOrder))
-				if err != nil || resp.StatusCode != 201 {
-					b.Fatalf("POST: %v %v", err, resp)
-				}
-				resp.Body.Close()
-				lat = append(lat, time.Since(start))
-			}
-			reportMedian(b, "post", lat)
-			reportMedian(b, "boot", boots) // after the loop: b.Loop's timer reset clears reported metrics
-		})
-	}
 }

@@ -109,7 +109,7 @@ func (a *app) observability(ctx context.Context, p *phaseRun) error {
 	a.tracing = t
 	a.lc.traceWith(t.tracer)
 
-	a.health = newReadiness(a.lc, a.metrics, a.cfg.Lifecycle.Readiness.ProbeTimeout, a.cfg.Lifecycle.Readiness.CacheTTL)
+	a.health = newReadiness(a.lc, a.metrics, a.timeouts.readinessProbe, a.cfg.Lifecycle.Readiness.CacheTTL)
 	a.health.RegisterReadinessCheck("observability", false, func(context.Context) checkResult {
 		detail := map[string]any{"provider": t.provider}
 		if traceErr != nil {
@@ -185,8 +185,8 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	a.lc.RegisterShutdownHook("jobsWorker", within(a.timeouts.jobsSoftStop+a.timeouts.hookReserve, j.Stop))
 
 	beat := a.heartbeats.RegisterHeartbeat("outbox", "outboxPoller")
-	poller := newOutboxPoller(a.db, a.redis, a.cfg.Outbox, beat, a.cfg.Lifecycle.Heartbeat.Interval, j.insertForEvents,
-		a.log, a.metrics, a.panicked)
+	poller := newOutboxPoller(outboxPollerDeps{db: a.db, redis: a.redis, cfg: a.cfg.Outbox, beat: beat,
+		beatEvery: a.cfg.Lifecycle.Heartbeat.Interval, insertJobs: j.insertForEvents, log: a.log, metrics: a.metrics, onPanic: a.panicked})
 	if err := a.retry(ctx, p, "outboxPoller", 3, poller.Start); err != nil {
 		return err
 	}
@@ -217,7 +217,8 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 	sched := &scheduler{db: a.db, jobs: a.jobs, crons: cronsOf(a.features),
 		beat: a.heartbeats.RegisterHeartbeat("scheduler", ""), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
 		log: a.log.WithField("component", "scheduler")}
-	el := newElector(a.redis, a.cfg.InstanceID, le.LockTTL, le.RenewInterval, a.timeouts, sched.lead, sched.fence, a.log, a.metrics, a.panicked)
+	el := newElector(electorDeps{redis: a.redis, instanceID: a.cfg.InstanceID, ttl: le.LockTTL, renew: le.RenewInterval,
+		timeouts: a.timeouts, lead: sched.lead, fence: sched.fence, log: a.log, metrics: a.metrics, onPanic: a.panicked})
 	if err := a.retry(ctx, p, "leaderElection", 3, el.Start); err != nil {
 		return err
 	}

@@ -117,9 +117,6 @@ const cancelledQuery = "kumiko.cancelledQuery"
 // unless a query on it was cancelled.
 func reusable(c *pgx.Conn) bool { return c.PgConn().CustomData()[cancelledQuery] == nil }
 
-// cancelGrace bounds a cancel request; a hung server never takes it.
-const cancelGrace = time.Second
-
 // serverGoingAway reports SQLSTATEs with which the server ends a session that
 // did nothing wrong: an operator's or a failover's shutdown (57P01), a crash
 // of another backend (57P02), a server not accepting connections yet (57P03),

@@ -68,12 +68,24 @@ type elector struct {
 	fencedTotal int
 }
 
-func newElector(rdb *redis.Client, instanceID string, ttl, renew time.Duration, t timeouts, lead func(context.Context, int64) error,
-	fence func(context.Context) (int64, error), log *logrus.Logger, m *metrics, onPanic func(string, any)) *elector {
-	return &elector{startStop: newStartStop("leader", stopSoft, onPanic),
-		rdb: rdb, instanceID: instanceID, ttl: ttl, renew: renew, lead: lead, fence: fence,
-		call: t.backgroundCall, release: t.redisRelease,
-		log: log.WithField("component", "leader"), metrics: m}
+// electorDeps is what newElector builds an elector from.
+type electorDeps struct {
+	redis      *redis.Client
+	instanceID string
+	ttl, renew time.Duration // the lock's TTL and how often it is renewed
+	timeouts   timeouts
+	lead       func(ctx context.Context, token int64) error
+	fence      func(ctx context.Context) (int64, error)
+	log        *logrus.Logger
+	metrics    *metrics
+	onPanic    func(component string, recovered any)
+}
+
+func newElector(d electorDeps) *elector {
+	return &elector{startStop: newStartStop("leader", stopSoft, d.onPanic),
+		rdb: d.redis, instanceID: d.instanceID, ttl: d.ttl, renew: d.renew, lead: d.lead, fence: d.fence,
+		call: d.timeouts.backgroundCall, release: d.timeouts.redisRelease,
+		log: d.log.WithField("component", "leader"), metrics: d.metrics}
 }
 
 // Stop ends leadership and waits (startStop); a lock it could not release is

@@ -174,17 +174,28 @@ func TestHookDeadlineKeepsAReserveForLaterHooks(t *testing.T) {
 	}
 }
 
+// Job args of the feature-graph test: a job is named by its args type.
+type (
+	testIndexArgs  struct{}
+	testReportArgs struct{}
+	testManualArgs struct{}
+)
+
+func (testIndexArgs) Kind() string  { return "indexOrder" }
+func (testReportArgs) Kind() string { return "report" }
+func (testManualArgs) Kind() string { return "sleep" }
+
 func TestValidateFeaturesListsEveryProblem(t *testing.T) {
-	index := func(workDeps, context.Context, *river.Job[indexOrderArgs]) error { return nil }
-	indexArgs := func(outboxEvent) (indexOrderArgs, error) { return indexOrderArgs{}, nil }
-	reportAt := func(tick time.Time, _ int64) reportArgs { return reportArgs{ScheduledAt: tick} }
+	index := func(workDeps, context.Context, *river.Job[testIndexArgs]) error { return nil }
+	indexArgs := func(outboxEvent) (testIndexArgs, error) { return testIndexArgs{}, nil }
+	reportAt := func(time.Time, int64) testReportArgs { return testReportArgs{} }
 	err := validateFeatures([]feature{
 		{name: "orders", publishes: []string{"order.created"}, workers: []worker{work(index)},
 			subscriptions: []subscription{subscribe("order.created", indexArgs), subscribe("order.shipped", indexArgs)},
 			crons:         []cronJob{schedule("*/5 * * *", reportAt)}},
 		{name: "orders", requires: []setting{{name: "MEILI_URL", present: false}}},
 		{name: "reports", workers: []worker{work(index)}, routes: []route{{method: "GET", path: "/reports"}},
-			manualJobs: []manualJob{byHand(func(echo.Context) (sleepArgs, error) { return sleepArgs{}, nil })}},
+			manualJobs: []manualJob{byHand(func(echo.Context) (testManualArgs, error) { return testManualArgs{}, nil })}},
 	})
 	if err == nil {
 		t.Fatal("no error")

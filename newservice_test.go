@@ -122,25 +122,7 @@ func TestNewServiceScriptRenamesACopy(t *testing.T) {
 	// renamed metrics and env names), and the binary says its new name. The
 	// build comes last: it reuses what the test compiled, and this order keeps
 	// the test near 30 s on a loaded machine.
-	goCmd := func(timeout time.Duration, args ...string) string {
-		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), timeout)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, "go", args...)
-		cmd.Dir = dir
-		cmd.Env = append(os.Environ(), "GOPROXY=off", "GOFLAGS=-mod=readonly",
-			"TEST_DATABASE_URL="+pg.adminURL, "TEST_REDIS_URL="+rdb.URL, "ORDERS_SVC_REQUIRE_SERVICES=1")
-		start := time.Now()
-		out, err := cmd.CombinedOutput()
-		t.Logf("go %v in the copy: %s", args, time.Since(start).Round(time.Millisecond))
-		if ctx.Err() != nil {
-			t.Fatalf("go %v in the copy: still running after %s\n%s", args, timeout, out)
-		}
-		if err != nil {
-			t.Fatalf("go %v in the copy: %v\n%s", args, err, out)
-		}
-		return string(out)
-	}
+	goCmd := goInCopy(t, dir, pg.adminURL, rdb.URL, "ORDERS_SVC_")
 	goCmd(3*time.Minute, "vet", "./...")
 	gofmtCmd := exec.Command("gofmt", "-l", ".")
 	gofmtCmd.Dir = dir
@@ -271,4 +253,113 @@ func copyFile(from, to string, perm os.FileMode) error {
 		return err
 	}
 	return dst.Close()
+}
+
+// goInCopy runs the go command in a copy, offline (the module cache is
+// shared), with the test services handed over by URL so the copy does not
+// start a second PostgreSQL.
+func goInCopy(t *testing.T, dir, pgAdminURL, redisURL, envPrefix string) func(timeout time.Duration, args ...string) string {
+	return func(timeout time.Duration, args ...string) string {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, "go", args...)
+		cmd.Dir = dir
+		cmd.Env = append(os.Environ(), "GOPROXY=off", "GOFLAGS=-mod=readonly",
+			"TEST_DATABASE_URL="+pgAdminURL, "TEST_REDIS_URL="+redisURL, envPrefix+"REQUIRE_SERVICES=1")
+		start := time.Now()
+		out, err := cmd.CombinedOutput()
+		t.Logf("go %v in the copy: %s", args, time.Since(start).Round(time.Millisecond))
+		if ctx.Err() != nil {
+			t.Fatalf("go %v in the copy: still running after %s\n%s", args, timeout, out)
+		}
+		if err != nil {
+			t.Fatalf("go %v in the copy: %v\n%s", args, err, out)
+		}
+		return string(out)
+	}
+}
+
+// scripts/new-service.sh --bare leaves the lifecycle without the orders
+// demo: no orders files, table, routes, jobs or dashboard feed. The copy
+// builds, vets, is gofmt-clean, and passes its own process tests of the
+// boot, the drain, the leader's cron, the jobs across a drain and the event
+// stream; its binary answers 404 where the orders were.
+func TestNewServiceScriptBare(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and tests a bare copy of the repository")
+	}
+	const module, name = "example.com/acme/billing", "billing"
+	pg, err := sharedPostgres()
+	if err != nil {
+		failOrSkip(t, err)
+	}
+	rdb := testRedis(t)
+	dir := copyRepo(t)
+	for _, args := range [][]string{{"init", "-q"}, {"add", "-A"}, {"-c", "user.name=test", "-c", "user.email=test@example.com", "commit", "-q", "-m", "template"}} {
+		cmd := exec.Command("git", args...)
+		cmd.Dir = dir
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("git %v: %v\n%s", args, err, out)
+		}
+	}
+	script := exec.Command("bash", "scripts/new-service.sh", module, name, "--bare")
+	script.Dir = dir
+	if out, err := script.CombinedOutput(); err != nil {
+		t.Fatalf("new-service.sh --bare: %v\n%s", err, out)
+	}
+
+	// What the demo was is gone: its files, its line, its marked blocks.
+	for _, f := range []string{"orders.go", "orders_jobs.go", "orders_search.go", "orders_test.go", "scripts/bench-orders.sh",
+		"migrations/000013_orders_public_id.up.sql"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); !os.IsNotExist(err) {
+			t.Errorf("%s is still in the bare copy (stat: %v)", f, err)
+		}
+	}
+	for f, gone := range map[string]string{"features.go": "ordersFeature", "migrations/000001_orders_and_outbox.up.sql": "CREATE TABLE orders",
+		"dashboard.html": "order.created", "scripts/demo.sh": "/api/orders"} {
+		if data, err := os.ReadFile(filepath.Join(dir, f)); err != nil || bytes.Contains(data, []byte(gone)) || bytes.Contains(data, []byte("demo:begin")) {
+			t.Errorf("%s of the bare copy: %v; still holds %q or a demo marker", f, err, gone)
+		}
+	}
+
+	goCmd := goInCopy(t, dir, pg.adminURL, rdb.URL, "BILLING_")
+	goCmd(3*time.Minute, "vet", "./...")
+	gofmtCmd := exec.Command("gofmt", "-l", ".")
+	gofmtCmd.Dir = dir
+	if out, err := gofmtCmd.CombinedOutput(); err != nil || len(out) > 0 {
+		t.Errorf("gofmt -l in the bare copy: %v\n%s", err, out)
+	}
+	tests := []string{"TestValidateFeaturesListsEveryProblem", "TestProcessSIGTERMDrain", "TestProcessOutboxRetention",
+		"TestProcessInterruptedJobSpendsNoAttempt", "TestProcessResumeFromDeletedEventResets", "TestProcessLabelledCountersStartAtZero"}
+	out := goCmd(6*time.Minute, "test", "-count=1", "-v", "-run", "^("+strings.Join(tests, "|")+")$", ".")
+	for _, test := range tests {
+		if !strings.Contains(out, "--- PASS: "+test+" ") {
+			t.Errorf("the bare copy's %s did not pass", test)
+		}
+	}
+	if t.Failed() {
+		t.Logf("go test in the bare copy:\n%s", out)
+	}
+
+	// Its binary serves the lifecycle and no orders.
+	bin := filepath.Join(t.TempDir(), name)
+	goCmd(3*time.Minute, "build", "-o", bin, ".")
+	env := fastEnv(t)
+	bareEnv := map[string]string{}
+	for k, v := range env {
+		bareEnv[strings.Replace(k, "KUMIKO_", "BILLING_", 1)] = v
+	}
+	p := startBinary(t, bin, bareEnv)
+	_, api := p.waitReady()
+	for path, want := range map[string]int{"/api/orders": http.StatusNotFound, "/api/slow?ms=1": http.StatusOK} {
+		resp, err := http.Get(api + path)
+		if err != nil {
+			t.Fatalf("GET %s: %v", path, err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != want {
+			t.Errorf("the bare service: GET %s = %d, want %d", path, resp.StatusCode, want)
+		}
+	}
 }

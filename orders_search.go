@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
-	"time"
 	"unicode/utf8"
 
 	"github.com/google/uuid"
@@ -14,9 +13,6 @@ import (
 	"github.com/meilisearch/meilisearch-go"
 	"github.com/sirupsen/logrus"
 )
-
-// searchTimeout bounds the Meilisearch query: past it, SQL answers instead.
-const searchTimeout = 500 * time.Millisecond
 
 // searchPoolShare: searches, which may scan, hold at most this share of the
 // pool's connections at once (at least one), so no search can starve the
@@ -47,7 +43,8 @@ func handleSearchOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, t t
 			return apiError(http.StatusServiceUnavailable, "busy", "too many searches right now; retry shortly")
 		}
 		if search != nil && q != "" {
-			sctx, cancel := context.WithTimeout(ctx, min(searchTimeout, t.request/2)) // SQL gets the rest
+			// Meilisearch gets half of the request's budget: past it, SQL answers instead.
+			sctx, cancel := context.WithTimeout(ctx, t.request/2)
 			ids, err := searchOrderIDs(sctx, search, q, 50)
 			cancel()
 			if err == nil {

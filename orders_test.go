@@ -8,16 +8,21 @@ import (
 	"io"
 	"maps"
 	"net/http"
+	"net/http/httptest"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/labstack/echo/v4"
+	"github.com/minio/minio-go/v7"
+	"github.com/minio/minio-go/v7/pkg/credentials"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -41,9 +46,6 @@ func post(t *testing.T, url, body string, header map[string]string) (int, http.H
 	_ = json.Unmarshal(raw, &out)
 	return resp.StatusCode, resp.Header, out
 }
-
-func apiURL(s *inProcess) string { return "http://" + s.app.api.addr.String() }
-func opsURL(s *inProcess) string { return "http://" + s.app.ops.addr.String() }
 
 // keysOf is a JSON object's keys, sorted and space-separated.
 func keysOf(m map[string]any) string {
@@ -276,8 +278,6 @@ func mustJSON(v any) string {
 	return b.String()
 }
 
-func itoa(n int64) string { return strconv.FormatInt(n, 10) }
-
 // GET /admin/orders?q= asks Meilisearch while it answers, and SQL when it does not.
 func TestOrderSearchUsesMeilisearchThenFallsBackToSQL(t *testing.T) {
 	meili := newMeiliDouble(t, "available")
@@ -420,5 +420,148 @@ func TestSQLJSONTimeMatchesEncodingJSON(t *testing.T) {
 		if `"`+got+`"` != string(want) {
 			t.Errorf("%s: SQL renders %s, encoding/json %s", ts, got, want)
 		}
+	}
+}
+
+// FuzzDecodeOrder feeds arbitrary bodies to the order decoder. It must never
+// panic, must answer every refusal with a 4xx, and what it accepts must be an
+// order every rule holds for, which encodes and decodes back to itself.
+// scripts/test.sh runs it for a few seconds on every test run.
+func FuzzDecodeOrder(f *testing.F) {
+	for _, seed := range []string{
+		validOrder,
+		`{"customer":"\ud800","items":[{"sku":"t","qty":1,"priceCents":1}]}`,
+		`{"customer":"Ada","customer":"Bob","items":[{"sku":"t","qty":1,"priceCents":1}]}`,
+		`{"CUSTOMER":"Ada","items":[{"sku":"t","qty":1,"priceCents":1}]}`,
+		`{"customer":"\u200b","items":[{"sku":"t","qty":1,"priceCents":1}]}`,
+		`{"customer":"A\u202eB","items":[{"sku":"t","qty":1,"priceCents":1}]}`,
+		`{"customer":"Ada","items":[{"sku":"t","qty":1,"priceCents":1}]}{}`,
+		`{"customer":"Ada","items":[[{"sku":{}}]]}`,
+		`[]`, `"x"`, `{`, "",
+	} {
+		f.Add([]byte(seed))
+	}
+	e := echo.New()
+	f.Fuzz(func(t *testing.T, body []byte) {
+		req := httptest.NewRequest(http.MethodPost, "/api/orders", strings.NewReader(string(body)))
+		req.Header.Set("Content-Type", "application/json")
+		o, err := decodeOrder(e.NewContext(req, httptest.NewRecorder()))
+		if err != nil {
+			he, ok := err.(*echo.HTTPError)
+			if !ok || he.Code < 400 || he.Code > 499 {
+				t.Fatalf("refused %q with %v, want a 4xx", body, err)
+			}
+			return
+		}
+		if problems := o.validate(); len(problems) > 0 {
+			t.Fatalf("accepted %q breaking its rules: %v", body, problems)
+		}
+		for _, text := range append([]string{o.Customer}, skus(o)...) {
+			if !utf8.ValidString(text) || textProblem(text) != "" || !visible(text) {
+				t.Fatalf("accepted %q with the text %q", body, text)
+			}
+		}
+		again, _ := json.Marshal(o)
+		req = httptest.NewRequest(http.MethodPost, "/api/orders", strings.NewReader(string(again)))
+		req.Header.Set("Content-Type", "application/json")
+		o2, err := decodeOrder(e.NewContext(req, httptest.NewRecorder()))
+		if err != nil || o2.fingerprint() != o.fingerprint() {
+			t.Fatalf("accepted %q, but its own encoding %s decodes to %+v, %v", body, again, o2, err)
+		}
+	})
+}
+
+func skus(o newOrder) []string {
+	var out []string
+	for _, it := range o.Items {
+		out = append(out, it.SKU)
+	}
+	return out
+}
+
+// The jobs an order triggers write to a real S3 server (versitygw): a receipt
+// sealed with the master key; the index job reaches Meilisearch; a report
+// run by hand lands in S3 too.
+func TestJobsWriteToRealS3AndIndex(t *testing.T) {
+	s3 := testS3(t)
+	meili := newMeiliDouble(t, "available")
+	env := fastEnv(t)
+	env["MEILI_URL"] = meili.srv.URL
+	env["S3_ENDPOINT"], env["S3_ACCESS_KEY"], env["S3_SECRET_KEY"], env["S3_BUCKET"] = s3.Endpoint, s3.AccessKey, s3.SecretKey, "kumiko"
+	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
+	env["KUMIKO_JOBS_POLL_INTERVAL"] = "100ms"
+	s := startInProcess(t, env)
+	_, _, created := post(t, apiURL(s)+"/api/orders", validOrder, nil)
+	var id int64 // receipts are named by the internal id; the API shows only the public one
+	if err := s.app.db.QueryRow(context.Background(), `SELECT id FROM orders WHERE public_id = $1`, created["id"]).Scan(&id); err != nil {
+		t.Fatalf("order %v: %v", created["id"], err)
+	}
+
+	client, _ := minio.New(s3.Endpoint, &minio.Options{Creds: credentials.NewStaticV4(s3.AccessKey, s3.SecretKey, "")})
+	name := "receipts/" + itoa(id) + ".sealed"
+	var sealed []byte
+	waitFor(t, 10*time.Second, "the receipt in S3", func() bool {
+		obj, err := client.GetObject(context.Background(), "kumiko", name, minio.GetObjectOptions{})
+		if err != nil {
+			return false
+		}
+		defer obj.Close()
+		sealed, err = io.ReadAll(obj)
+		return err == nil && len(sealed) > 0
+	})
+	plain, err := s.app.masterKey.open(sealed, []byte(name))
+	if err != nil {
+		t.Fatalf("the receipt does not open with the master key: %v", err)
+	}
+	var receipt order
+	if err := json.Unmarshal(plain, &receipt); err != nil || receipt.PublicID.String() != created["id"] || receipt.TotalCents != 900 {
+		t.Fatalf("receipt %s: %+v %v", plain, receipt, err)
+	}
+	if bytes.Contains(sealed, []byte("Ada")) {
+		t.Fatal("the receipt is stored in the clear")
+	}
+	waitFor(t, 5*time.Second, "the order indexed", func() bool { return meili.called("POST /indexes/orders/documents") })
+
+	runJob(t, "http://"+s.app.ops.addr.String(), "report", "")
+	waitFor(t, 10*time.Second, "a report in S3", func() bool {
+		for obj := range client.ListObjects(context.Background(), "kumiko", minio.ListObjectsOptions{Prefix: "reports/"}) {
+			if obj.Err == nil {
+				return true
+			}
+		}
+		return false
+	})
+}
+
+// kumiko_sse_send_lag_seconds times each write to a stream from the moment
+// its oldest event was written: every event the stream received was written
+// during this test, so every sample is shorter than the test so far.
+func TestSSESendLagIsObserved(t *testing.T) {
+	testStart := time.Now()
+	s := startInProcess(t, fastEnv(t))
+	stream := openSSE(t, apiURL(s), 0)
+	if code, _, body := post(t, apiURL(s)+"/api/orders", `{"customer":"Ada","items":[{"sku":"tea","qty":1,"priceCents":250}]}`, nil); code != http.StatusCreated {
+		t.Fatalf("POST /api/orders: %d %v", code, body)
+	}
+	var received int // the instance's own state change may come before the order
+	stream.waitFor(10*time.Second, "order.created", func(frames []sseFrame) bool {
+		received = len(frames)
+		return slices.ContainsFunc(frames, func(f sseFrame) bool { return f.Event == "order.created" })
+	})
+
+	// A sample is taken once its write returned, which may be after the client read it.
+	var m dto.Metric
+	for deadline := time.Now().Add(5 * time.Second); m.GetHistogram().GetSampleCount() == 0 && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+		if err := s.app.metrics.sseSendLag.Write(&m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h := m.GetHistogram()
+	if n := h.GetSampleCount(); n == 0 || n > uint64(received) {
+		t.Fatalf("kumiko_sse_send_lag_seconds has %d samples for %d events received, want 1 to %d (one per write)", n, received, received)
+	}
+	if sum, most := h.GetSampleSum(), float64(h.GetSampleCount())*time.Since(testStart).Seconds(); sum <= 0 || sum > most {
+		t.Errorf("send lags add up to %.6f s over %d writes, want in (0, %.6f]: each shorter than the test so far", sum, h.GetSampleCount(), most)
 	}
 }

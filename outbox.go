@@ -22,9 +22,6 @@ const (
 	// outboxDeliveryLock is the advisory lock a delivery transaction holds
 	// from taking its sequence numbers until it commits (see migration 2).
 	outboxDeliveryLock = advisoryLockKey
-	// wakeTimeout bounds one wake-up publish: a Redis that hangs must not
-	// hold wake-ups back for longer than a hub's own poll would.
-	wakeTimeout = time.Second
 )
 
 // outboxEvent is one event as delivered: its outbox id (the id SSE clients
@@ -83,11 +80,23 @@ type outboxPoller struct {
 	wakeQ chan outboxEvent // buffered 1: the newest delivered event, for runWaker
 }
 
-func newOutboxPoller(db *pgxpool.Pool, rdb *redis.Client, cfg outboxConfig, beat *heartbeat, beatInterval time.Duration,
-	alsoInTx func(context.Context, pgx.Tx, []outboxEvent) error, log *logrus.Logger, m *metrics, onPanic func(string, any)) *outboxPoller {
-	return &outboxPoller{startStop: newStartStop("outboxPoller", stopSoft, onPanic),
-		db: db, rdb: rdb, cfg: cfg, beat: beat, beatInt: beatInterval, alsoInTx: alsoInTx,
-		log: log.WithField("component", "outboxPoller"), metrics: m,
+// outboxPollerDeps is what newOutboxPoller builds a poller from.
+type outboxPollerDeps struct {
+	db         *pgxpool.Pool
+	redis      *redis.Client
+	cfg        outboxConfig
+	beat       *heartbeat
+	beatEvery  time.Duration
+	insertJobs func(ctx context.Context, tx pgx.Tx, events []outboxEvent) error // in the delivery transaction
+	log        *logrus.Logger
+	metrics    *metrics
+	onPanic    func(component string, recovered any)
+}
+
+func newOutboxPoller(d outboxPollerDeps) *outboxPoller {
+	return &outboxPoller{startStop: newStartStop("outboxPoller", stopSoft, d.onPanic),
+		db: d.db, rdb: d.redis, cfg: d.cfg, beat: d.beat, beatInt: d.beatEvery, alsoInTx: d.insertJobs,
+		log: d.log.WithField("component", "outboxPoller"), metrics: d.metrics,
 		wake: make(chan struct{}, 1), wakeQ: make(chan outboxEvent, 1)}
 }
 

@@ -31,16 +31,6 @@ func twoInstances(t *testing.T, tweak func(env map[string]string)) (a, b *proc, 
 	return start("a"), start("b"), shared
 }
 
-func sharedPool(t testing.TB, env map[string]string) *pgxpool.Pool {
-	t.Helper()
-	pool, err := pgxpool.New(context.Background(), env["DATABASE_URL"])
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	return pool
-}
-
 func orderCreatedIDs(frames []sseFrame) []int64 {
 	var ids []int64
 	for _, f := range frames {
@@ -406,13 +396,4 @@ func postQuiet(url, body string) (int, error) {
 	}
 	resp.Body.Close()
 	return resp.StatusCode, nil
-}
-
-func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(timeout); !cond(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", timeout, what)
-		}
-	}
 }

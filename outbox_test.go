@@ -51,8 +51,9 @@ func (f *outboxFixture) poller(t testing.TB, name string) *outboxPoller {
 	m := newMetrics()
 	rd := newReadiness(readyLifecycle(t), m, time.Second, time.Millisecond)
 	beat := newHeartbeats(f.rdb, name, 10*time.Second, time.Second, m, rd).RegisterHeartbeat("outbox", "outboxPoller")
-	p := newOutboxPoller(f.db, f.rdb, f.cfg, beat, time.Second, f.alsoInTx, newLogger(io.Discard, "json"), m,
-		func(_ string, r any) { t.Errorf("poller panicked: %v", r) })
+	p := newOutboxPoller(outboxPollerDeps{db: f.db, redis: f.rdb, cfg: f.cfg, beat: beat, beatEvery: time.Second,
+		insertJobs: f.alsoInTx, log: newLogger(io.Discard, "json"), metrics: m,
+		onPanic: func(_ string, r any) { t.Errorf("poller panicked: %v", r) }})
 	t.Cleanup(func() { p.Stop(context.Background()) })
 	return p
 }

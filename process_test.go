@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/base64"
 	"encoding/json"
 	"flag"
@@ -12,12 +13,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -27,10 +30,10 @@ var testBinary string
 
 func TestMain(m *testing.M) {
 	flag.Parse()
-	if fuzz := flag.Lookup("test.fuzz"); fuzz != nil && fuzz.Value.String() != "" {
+	if fuzz, list := flag.Lookup("test.fuzz"), flag.Lookup("test.list"); fuzz != nil && fuzz.Value.String() != "" || list != nil && list.Value.String() != "" {
 		// Fuzzing (scripts/test.sh, a few seconds): the fuzz targets are pure
 		// functions, and every fuzz worker runs TestMain, so a build here would
-		// eat the fuzz time.
+		// eat the fuzz time. Listing the tests runs none.
 		os.Exit(m.Run())
 	}
 	dir, err := os.MkdirTemp("", "kumiko-bin-")
@@ -287,4 +290,25 @@ func redisClient(t testing.TB, url string) *redis.Client {
 	rdb := redis.NewClient(opts)
 	t.Cleanup(func() { rdb.Close() })
 	return rdb
+}
+
+func itoa(n int64) string { return strconv.FormatInt(n, 10) }
+
+func sharedPool(t testing.TB, env map[string]string) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), env["DATABASE_URL"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(timeout); !cond(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+	}
 }

@@ -67,7 +67,7 @@ func runMigrate(ctx context.Context, args []string, getenv func(string) string, 
 		return fmt.Errorf("connecting to the database: %w", err)
 	}
 	defer pool.Close()
-	mg, err := newMigrator(pool, cfg.Lifecycle.PhaseTimeout)
+	mg, err := newMigrator(pool, newTimeouts(cfg).phase)
 	if err != nil {
 		return err
 	}

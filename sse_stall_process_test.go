@@ -257,7 +257,7 @@ func TestProcessResumeFromDeletedEventResets(t *testing.T) {
 		r.ID != int64(r.Data["resumeFrom"].(float64)) {
 		t.Errorf("reset frame %+v; want reason, lastEventId %d, oldestKeptId ≥ %d, resumeFrom = id ≥ %d", r, first+2, first+5, newest)
 	}
-	if old := c.events(eventOrderCreated); len(old) != 0 {
+	if old := c.events("order.created"); len(old) != 0 {
 		t.Errorf("a reset stream replayed %d old events", len(old))
 	}
 

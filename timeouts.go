@@ -5,8 +5,11 @@ import (
 	"time"
 )
 
-// timeouts is every deadline of the lifecycle, decided here and nowhere
-// else: boot.go, shutdown.go and the components are given theirs.
+// timeouts is every deadline of the process, decided here and nowhere else:
+// the configured ones are derived in newTimeouts, the fixed ones are the
+// constants below it; boot.go, shutdown.go and the components are given
+// theirs. Intervals and TTLs (how often a loop runs, how long a Redis key
+// lives) are not deadlines: they stay with the component they pace.
 type timeouts struct {
 	// The boot.
 	boot           time.Duration // process start → ready: KUMIKO_STARTUP_TIMEOUT
@@ -56,6 +59,8 @@ type timeouts struct {
 	// renewal, a fence read): a hung dependency costs the loop this, and a
 	// stop waits at most this for a call in flight.
 	backgroundCall time.Duration
+	// readinessProbe: one run of the readiness checks (KUMIKO_READINESS_PROBE_TIMEOUT).
+	readinessProbe time.Duration
 	// dbStatement and dbLock bound every statement on the server's side
 	// (statement_timeout, lock_timeout), where no client deadline reaches; a
 	// migration waits for the migration lock up to the phase timeout.
@@ -81,6 +86,13 @@ const hardStopGrace = abandonGrace / 2
 // reaches it.
 const silentConnGrace = 500 * time.Millisecond
 
+// cancelGrace bounds a PostgreSQL cancel request; a hung server never takes it.
+const cancelGrace = time.Second
+
+// wakeTimeout bounds one wake-up publish of the outbox poller: a Redis that
+// hangs must not hold wake-ups back for longer than a hub's own poll would.
+const wakeTimeout = time.Second
+
 func newTimeouts(c config) timeouts {
 	l := c.Lifecycle
 	releases := l.ShutdownTimeout - l.Linger - l.DrainTimeout // > 0: config validation says so
@@ -102,6 +114,7 @@ func newTimeouts(c config) timeouts {
 		request:        c.HTTP.DependencyTimeout,
 		marker:         c.HTTP.DependencyTimeout / 4,
 		backgroundCall: time.Second,
+		readinessProbe: l.Readiness.ProbeTimeout,
 		dbStatement:    c.DB.StatementTimeout,
 		dbLock:         c.DB.LockTimeout,
 	}

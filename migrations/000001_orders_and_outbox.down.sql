@@ -1,2 +1,4 @@
 DROP TABLE outbox_events;
+-- demo:begin
 DROP TABLE orders;
+-- demo:end

@@ -1,3 +1,4 @@
+-- demo:begin (the orders demo; scripts/new-service.sh --bare removes this block)
 -- Orders are the demo's business rows; every order writes its order.created
 -- event into outbox_events in the same transaction (transactional outbox).
 CREATE TABLE orders (
@@ -10,7 +11,10 @@ CREATE TABLE orders (
     idempotency_key text        UNIQUE,
     created_at      timestamptz NOT NULL DEFAULT now()
 );
+-- demo:end
 
+-- A feature writes its events into outbox_events in the same transaction as
+-- its business rows (transactional outbox).
 CREATE TABLE outbox_events (
     id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     aggregate_type  text        NOT NULL,

@@ -19,7 +19,9 @@ END $$;
 CREATE TRIGGER outbox_events_notify AFTER INSERT ON outbox_events
     FOR EACH STATEMENT EXECUTE FUNCTION outbox_events_notify();
 
+-- demo:begin (the orders demo; scripts/new-service.sh --bare removes this block)
 -- The fingerprint of the request that created an order with an Idempotency-Key,
 -- so a key reused for a different request is refused instead of answered
 -- with an unrelated order.
 ALTER TABLE orders ADD COLUMN request_hash text;
+-- demo:end

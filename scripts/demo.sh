@@ -36,8 +36,14 @@ cat <<MSG
   app2            api http://127.0.0.1:${API_PORTS[2]}   ops http://127.0.0.1:${OPS_PORTS[2]}/health/ready
   admin           curl -H 'Authorization: Bearer $KUMIKO_ADMIN_TOKEN' http://127.0.0.1:${OPS_PORTS[1]}/admin/lifecycle
   event stream    curl -N http://127.0.0.1:$LB_PORT/api/events
+MSG
+# demo:begin (the orders demo; scripts/new-service.sh --bare removes this block)
+cat <<MSG
   an order        curl -XPOST http://127.0.0.1:$LB_PORT/api/orders -H 'Content-Type: application/json' \\
                     -d '{"customer":"Ada","items":[{"sku":"tea","qty":2,"priceCents":250}]}'
+MSG
+# demo:end
+cat <<MSG
 
   watch a drain:  kill -TERM \$(cat $DIR/app1.pid)
   Ctrl+C drains both instances, then stops everything.

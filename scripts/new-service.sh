@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# new-service.sh MODULE NAME — turn a fresh copy of this template into service NAME.
+# new-service.sh MODULE NAME [--bare] — turn a fresh copy of this template into service NAME.
 #
 #   scripts/new-service.sh example.com/acme/orders-svc orders-svc
+#   scripts/new-service.sh example.com/acme/billing billing --bare   # without the orders demo
 #
 # Run it once, in a clean clone (or a copy of `git ls-files`), before changing
 # anything else. It rewrites, for NAME=orders-svc:
@@ -15,12 +16,28 @@
 #   Dockerfile, compose, k8s, deploy/, scripts, tests and docs: every other spelling of the old name
 # and removes itself, its test and the README's template section: a service is
 # made from the template once. It prints every file it changed.
+#
+# --bare also removes the orders demo: its files (demo_files below: the
+# feature, its jobs, search and tests, and the scripts that only measure it),
+# its line in registerFeatures, and the blocks between "demo:begin" and
+# "demo:end" markers elsewhere (its table in the migrations, its feed on the
+# dashboard page, its lines in scripts and the README). What is left is the
+# lifecycle: boot, health, drain, outbox, jobs, leader, streams, /api/slow.
 set -euo pipefail
 
 die() { echo "new-service: $*" >&2; exit 1; }
 
-[ $# -eq 2 ] || die "usage: scripts/new-service.sh MODULE NAME   (e.g. example.com/acme/orders-svc orders-svc)"
-module=$1 name=$2
+bare=false
+args=()
+for a in "$@"; do
+  case $a in
+  --bare) bare=true ;;
+  -*) die "unknown option $a (the only one is --bare)" ;;
+  *) args+=("$a") ;;
+  esac
+done
+[ ${#args[@]} -eq 2 ] || die "usage: scripts/new-service.sh MODULE NAME [--bare]   (e.g. example.com/acme/orders-svc orders-svc)"
+module=${args[0]} name=${args[1]}
 
 # NAME becomes a binary, an image, k8s object names, a Postgres user and a
 # Prometheus namespace (dashes → underscores): lowercase letters, digits and
@@ -78,6 +95,28 @@ for f in "${remove[@]}"; do
 done
 # The README's template section sits between these two markers.
 perl -0pi -e 's/\n<!-- template:begin -->.*?<!-- template:end -->\n//s' README.md
+
+# 2b. --bare: the orders demo goes.
+demo_files=(
+  orders.go orders_jobs.go orders_search.go
+  orders_test.go orders_process_test.go orders_bench_test.go input_test.go outbox_process_test.go dashboard_browser_test.go
+  migrations/000013_orders_public_id.up.sql migrations/000013_orders_public_id.down.sql
+  scripts/bench-orders.sh scripts/refhandler/main.go scripts/bench-sse.sh scripts/sseload/main.go
+)
+if $bare; then
+  for f in "${demo_files[@]}"; do
+    [ -e "$f" ] || die "--bare: $f is not in this copy (the template changed; update demo_files)"
+    if $in_git; then git rm -q -- "$f"; else rm -f -- "$f"; fi
+  done
+  perl -ni -e 'print unless /^\s*ordersFeature\(cfg\),/' features.go
+  grep -q ordersFeature features.go && die "--bare: the ordersFeature line is still in features.go"
+  # Marked blocks: a line containing demo:begin through a line containing demo:end.
+  while IFS= read -r f; do
+    [ -f "$f" ] && grep -Iq 'demo:begin' -- "$f" || continue
+    perl -ni -e 'if (/demo:begin/) { $skip = 1; next } if (/demo:end/) { $skip = 0; next } print unless $skip' -- "$f"
+  done < <(list_files)
+  remove+=("the orders demo (${#demo_files[@]} files and its marked blocks)")
+fi
 
 # 3. Every other spelling, as text, longest first, in every text file.
 changed=()

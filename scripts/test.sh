@@ -14,7 +14,7 @@ fi
 # A few seconds of fuzzing on the parsers of client input: the order decoder
 # and the Last-Event-ID parser. A failing input is written to testdata/fuzz/,
 # where every later plain go test replays it.
-for target in FuzzDecodeOrder FuzzParseLastEventID; do
+for target in $(go test -list '^Fuzz' . | grep '^Fuzz'); do
   go test -run '^$' -fuzz "^${target}\$" -fuzztime "${KUMIKO_FUZZTIME:-10s}" .
 done
 exec go test -race -count=1 -timeout 15m "$@" ./...

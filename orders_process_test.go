@@ -1,0 +1,637 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	toxiproxy "github.com/Shopify/toxiproxy/v2/client"
+	"github.com/jackc/pgx/v5"
+)
+
+// postOrder posts a valid order, with an Idempotency-Key when key != "".
+func postOrder(client *http.Client, api, key string) answer {
+	req, _ := http.NewRequest(http.MethodPost, api+"/api/orders", strings.NewReader(validOrder))
+	req.Header.Set("Content-Type", "application/json")
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	return do(client, req)
+}
+
+// A fast restart of PostgreSQL terminates every pooled connection. The first
+// one that hears it purges the pool, and a request caught on a dead
+// connection is retried on a fresh one: right after the restart no request
+// is answered 500 (503 with Retry-After while the server is not back), and
+// once readiness says 200 again no request fails.
+func TestPostgresRestartCostsNoRequestAfterReady(t *testing.T) {
+	t.Parallel()
+	pg, env := ownPostgresEnv(t)
+	p := startProc(t, env)
+	ops, api := p.waitReady()
+	client := &http.Client{Timeout: 10 * time.Second}
+	post20 := func() []answer { return concurrently(20, func(int) answer { return postOrder(client, api, "") }) }
+	for _, a := range post20() { // fills the pool with connections the restart will kill
+		if a.status != http.StatusCreated {
+			t.Fatalf("before the restart: %s", a)
+		}
+	}
+
+	pg.Restart()
+	for i, a := range post20() { // at once: pgx pings only connections idle for over a second
+		if a.status != http.StatusCreated && (a.status != http.StatusServiceUnavailable || a.retryAfter == "") {
+			t.Errorf("right after the restart, request %d: %s; want 201, or 503 with Retry-After", i, a)
+		}
+	}
+	waitReadiness(t, ops, http.StatusOK, 10*time.Second)
+	for i, a := range post20() {
+		if a.status != http.StatusCreated {
+			t.Errorf("after readiness said 200 again, request %d: %s", i, a)
+		}
+	}
+}
+
+// Orders posted without pause while PostgreSQL restarts: none is answered
+// 500, every 5xx is a 503 with Retry-After, no order answered 201 is lost,
+// and a client that retries its 503s with their Idempotency-Key ends with
+// exactly one order per key, each with its one order.created event.
+func TestPostgresRestartDuringLoadAnswersNo500AndLosesNothing(t *testing.T) {
+	t.Parallel()
+	pg, env := ownPostgresEnv(t)
+	p := startProc(t, env)
+	ops, api := p.waitReady()
+	client := &http.Client{Timeout: 10 * time.Second}
+
+	type sent struct {
+		key string // "" for half of them
+		answer
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	var mu sync.Mutex
+	var all []sent
+	var wg sync.WaitGroup
+	for w := range 8 {
+		wg.Go(func() {
+			for i := 0; ctx.Err() == nil; i++ {
+				key := ""
+				if w%2 == 0 {
+					key = fmt.Sprintf("restart-%d-%d", w, i)
+				}
+				a := postOrder(client, api, key)
+				mu.Lock()
+				all = append(all, sent{key, a})
+				mu.Unlock()
+			}
+		})
+	}
+	count := func() int { mu.Lock(); defer mu.Unlock(); return len(all) }
+	for start := count(); count() < start+100; {
+		time.Sleep(10 * time.Millisecond) // until the load has run a while
+	}
+	pg.Restart()
+	waitReadiness(t, ops, http.StatusOK, 10*time.Second)
+	for start := count(); count() < start+100; {
+		time.Sleep(10 * time.Millisecond) // and a while after
+	}
+	stop()
+	wg.Wait()
+
+	byStatus := map[int]int{}
+	created := map[string]bool{}
+	keys := map[string]bool{}
+	unkeyed201, unkeyed503 := 0, 0
+	var wrong []string
+	for _, s := range all {
+		switch {
+		case s.err != nil:
+			wrong = append(wrong, s.answer.String())
+		case s.status >= 500 && (s.status != http.StatusServiceUnavailable || s.retryAfter == ""):
+			wrong = append(wrong, s.answer.String())
+		case s.status == http.StatusCreated:
+			created[s.id] = true
+		}
+		byStatus[s.status]++
+		if s.key != "" {
+			keys[s.key] = true
+			if s.status != http.StatusCreated { // what a client does with a 503: retry with the same key
+				if a := postOrder(client, api, s.key); a.status != http.StatusCreated {
+					t.Errorf("retry of %s: %s", s.key, a)
+				} else {
+					created[a.id] = true
+				}
+			}
+		} else if s.status == http.StatusCreated {
+			unkeyed201++
+		} else if s.status == http.StatusServiceUnavailable {
+			unkeyed503++
+		}
+	}
+	t.Logf("%d orders across the restart: %v", len(all), byStatus)
+	if len(wrong) > 0 {
+		t.Errorf("%d answers were no answer or a 5xx other than 503 with Retry-After; the first: %s", len(wrong), strings.Join(wrong[:min(5, len(wrong))], "; "))
+	}
+
+	conn, err := pgx.Connect(context.Background(), pg.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	rows, err := conn.Query(context.Background(), `SELECT o.public_id::text, coalesce(o.idempotency_key, ''),
+		(SELECT count(*) FROM outbox_events e WHERE e.event_type = 'order.created' AND e.aggregate_id = o.id::text)
+		FROM orders o`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	storedKeyed, storedUnkeyed := 0, 0
+	for rows.Next() {
+		var id, key string
+		var events int
+		if err := rows.Scan(&id, &key, &events); err != nil {
+			t.Fatal(err)
+		}
+		if events != 1 {
+			t.Errorf("order %s has %d order.created events, want 1", id, events)
+		}
+		delete(created, id)
+		if key != "" {
+			storedKeyed++
+		} else {
+			storedUnkeyed++
+		}
+	}
+	if len(created) > 0 {
+		t.Errorf("%d orders answered 201 are not stored: %v", len(created), created)
+	}
+	if storedKeyed != len(keys) {
+		t.Errorf("%d keys sent, %d keyed orders stored: want one order per key", len(keys), storedKeyed)
+	}
+	// An order without a key that committed while its answer was a 503 (the
+	// budget ran out on the commit's round trip) cannot be told apart by
+	// its client: that is what the Idempotency-Key is for. Never more than
+	// the 503s, never fewer than the 201s.
+	if storedUnkeyed < unkeyed201 || storedUnkeyed > unkeyed201+unkeyed503 {
+		t.Errorf("%d orders without a key stored; answered 201: %d, 503: %d", storedUnkeyed, unkeyed201, unkeyed503)
+	}
+	t.Logf("without a key: %d stored, %d answered 201, %d answered 503", storedUnkeyed, unkeyed201, unkeyed503)
+}
+
+// Redis frozen (SIGSTOP): an order with an Idempotency-Key is answered in
+// well under a second — the marker gives way to PostgreSQL's unique key —
+// and a retry with the same key is the same order. Readiness turns 503, and
+// after SIGCONT everything comes back by itself.
+func TestRedisHungIdempotentOrderFallsBackToTheUniqueKey(t *testing.T) {
+	t.Parallel()
+	env := fastEnv(t)
+	rd := testRedis(t)
+	env["REDIS_URL"] = rd.URL
+	p := startProc(t, env)
+	ops, api := p.waitReady()
+	client := &http.Client{Timeout: 15 * time.Second}
+
+	rd.Pause()
+	first := postOrder(client, api, "hung-redis-1")
+	again := postOrder(client, api, "hung-redis-1")
+	plain := postOrder(client, api, "")
+	flip := waitReadiness(t, ops, http.StatusServiceUnavailable, 5*time.Second)
+	rd.Resume()
+	t.Logf("Redis frozen: idempotent POST %s, its retry %s, plain POST %s; readiness 503 after %s", first, again, plain, flip)
+	for _, a := range []answer{first, again, plain} {
+		if a.status != http.StatusCreated || a.took > 3*time.Second {
+			t.Errorf("want 201 well within a second or so, got %s", a)
+		}
+	}
+	if first.id == "" || again.id != first.id {
+		t.Errorf("the retry with the same key answered order %q, the first %q: want the same order", again.id, first.id)
+	}
+	waitReadiness(t, ops, http.StatusOK, 10*time.Second)
+	if a := postOrder(client, api, "hung-redis-2"); a.status != http.StatusCreated {
+		t.Errorf("after SIGCONT: %s", a)
+	}
+}
+
+// PostgreSQL frozen (SIGSTOP): every request is answered 503 with
+// Retry-After within its budget, readiness turns 503, and SIGTERM ends the
+// process within its shutdown budget — every release bounded on its own —
+// with exit 1 (the poller's batch could not finish) and every step's line.
+func TestPostgresHungRequestsAnswerAndTheDrainIsBounded(t *testing.T) {
+	t.Parallel()
+	pg, env := ownPostgresEnv(t)
+	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "15s"
+	p := startProc(t, env)
+	ops, api := p.waitReady()
+	client := &http.Client{Timeout: 15 * time.Second}
+	created := postOrder(client, api, "")
+	if created.status != http.StatusCreated {
+		t.Fatalf("before the freeze: %s", created)
+	}
+
+	pg.Freeze()
+	defer pg.Thaw()
+	req, _ := http.NewRequest(http.MethodGet, api+"/api/orders/"+created.id, nil)
+	answers := map[string]answer{
+		"POST":                     postOrder(client, api, ""),
+		"POST with a key":          postOrder(client, api, "hung-pg"),
+		"GET one order":            do(client, req),
+		"GET the listing":          do(client, must(http.NewRequest(http.MethodGet, api+"/api/orders", nil))),
+		"POST, concurrent":         concurrently(4, func(int) answer { return postOrder(client, api, "") })[3],
+		"GET the stream, resuming": do(client, resumingStream(api)),
+	}
+	for what, a := range answers {
+		t.Logf("PostgreSQL frozen: %s: %s", what, a)
+		if a.status != http.StatusServiceUnavailable || a.retryAfter == "" || a.took > 3*time.Second {
+			t.Errorf("%s: want 503 with Retry-After within a second or so, got %s", what, a)
+		}
+	}
+	t.Logf("readiness 503 after %s", waitReadiness(t, ops, http.StatusServiceUnavailable, 5*time.Second))
+
+	// SIGCONT: back by itself, nothing lost.
+	pg.Thaw()
+	waitReadiness(t, ops, http.StatusOK, 10*time.Second)
+	if a := postOrder(client, api, "hung-pg"); a.status != http.StatusCreated {
+		t.Errorf("after SIGCONT, the key that got a 503 while frozen: %s", a)
+	}
+
+	// Frozen again, then SIGTERM.
+	pg.Freeze()
+	if a := postOrder(client, api, ""); a.status != http.StatusServiceUnavailable { // the poller is stuck by now
+		t.Errorf("frozen again: %s", a)
+	}
+	sent := time.Now()
+	p.signal(syscall.SIGTERM)
+	code := p.wait(15 * time.Second) // the budget
+	t.Logf("SIGTERM → exit %d in %s", code, time.Since(sent).Round(time.Millisecond))
+	for _, l := range p.logsMatching(map[string]any{"msg": "lifecycle"}) {
+		if l["step"] != nil {
+			t.Logf("step %v: %v ms %v", l["step"], l["duration_ms"], l["error"])
+		}
+	}
+	if code != 1 {
+		t.Errorf("exit code %d, want 1: the outbox batch in hand could not finish", code)
+	}
+	if strings.Contains(p.stderr.String(), "KUMIKO_SHUTDOWN_TIMEOUT") {
+		t.Errorf("the drain ran into its budget: a release waited for the hung database")
+	}
+	for _, step := range []string{"readiness", "linger", "closeListener", "sseClose", "inFlight", "sseHub", "leaderElection",
+		"jobsHeartbeat", "outboxPoller", "jobsWorker", "heartbeats", "clusterStatus", "redis", "db", "telemetryFlush", "opsListener"} {
+		if len(p.logsMatching(map[string]any{"msg": "lifecycle", "step": step})) != 1 {
+			t.Errorf("no step line for %s", step)
+		}
+	}
+}
+
+// Redis behind a black hole (Toxiproxy swallows every byte, closes nothing):
+// at boot the instance waits in redisConnect and becomes ready once the
+// hole closes; mid-run orders are answered at once and readiness turns
+// 503; in the drain every best-effort Redis release gives up after its own
+// second, and the process exits 0 — the work itself finished.
+func TestRedisBlackHoleAtBootMidRunAndInTheDrain(t *testing.T) {
+	t.Parallel()
+	tp := testToxiproxy(t)
+	rd := testRedis(t)
+	proxy := proxyTo(t, tp, "redis", rd.Addr)
+	env := fastEnv(t)
+	env["REDIS_URL"] = withHost(t, rd.URL, proxy.Listen)
+	env["KUMIKO_CONNECT_MAX_WAIT"] = "30s"
+	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "20s"
+
+	// At boot.
+	restore := blackHole(t, proxy)
+	p := startProc(t, env)
+	ops := p.addr("ops")
+	p.waitLog(10*time.Second, map[string]any{"msg": "connect failed", "target": "redis"})
+	restore()
+	_, api := p.waitReady()
+
+	// Mid-run.
+	client := &http.Client{Timeout: 15 * time.Second}
+	restore = blackHole(t, proxy)
+	first := postOrder(client, api, "black-hole-1")
+	again := postOrder(client, api, "black-hole-1")
+	flip := waitReadiness(t, ops, http.StatusServiceUnavailable, 5*time.Second)
+	t.Logf("Redis black-holed: idempotent POST %s, its retry %s; readiness 503 after %s", first, again, flip)
+	for _, a := range []answer{first, again} {
+		if a.status != http.StatusCreated || a.took > 3*time.Second {
+			t.Errorf("want 201 well within a second or so, got %s", a)
+		}
+	}
+	if again.id != first.id {
+		t.Errorf("the retry answered order %q, the first %q", again.id, first.id)
+	}
+
+	// In the drain, still black-holed.
+	sent := time.Now()
+	p.signal(syscall.SIGTERM)
+	code := p.wait(20 * time.Second)
+	took := time.Since(sent)
+	t.Logf("SIGTERM with Redis black-holed → exit %d in %s", code, took.Round(time.Millisecond))
+	if code != 0 {
+		t.Errorf("exit code %d, want 0: nothing in the drain needs Redis to finish its work", code)
+	}
+	if took > 12*time.Second {
+		t.Errorf("the drain took %s: a Redis call waited past its own bound", took)
+	}
+	for _, step := range []string{"leaderElection", "outboxPoller", "heartbeats", "clusterStatus"} {
+		line := p.logsMatching(map[string]any{"msg": "lifecycle", "step": step})
+		if len(line) != 1 {
+			t.Errorf("no step line for %s", step)
+			continue
+		}
+		if ms, _ := line[0]["duration_ms"].(float64); ms > 3000 {
+			t.Errorf("step %s took %.0f ms: want about a second at most", step, ms)
+		}
+	}
+	for _, step := range []string{"heartbeats", "clusterStatus"} {
+		if line := p.logsMatching(map[string]any{"msg": "lifecycle", "step": step, "level": "warning"}); len(line) != 1 {
+			t.Errorf("the failed best-effort release %s was not logged as a failure", step)
+		}
+	}
+	restore()
+}
+
+// A body over the limit, announced by Content-Length with Expect:
+// 100-continue (as curl sends 3 MB), is refused with 413 before the body is
+// invited: the first status line the client reads is the 413.
+func TestOversizedOrderIsRefusedBeforeTheBodyIsInvited(t *testing.T) {
+	t.Parallel()
+	p := startProc(t, fastEnv(t))
+	_, api := p.waitReady()
+	conn, err := net.DialTimeout("tcp", strings.TrimPrefix(api, "http://"), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	fmt.Fprintf(conn, "POST /api/orders HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"+
+		"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n", 3<<20)
+	status, err := bufio.NewReader(conn).ReadString('\n')
+	if err != nil {
+		t.Fatalf("reading the answer: %v", err)
+	}
+	if !strings.HasPrefix(status, "HTTP/1.1 413") {
+		t.Errorf("first status line %q, want HTTP/1.1 413 (no 100 Continue)", strings.TrimSpace(status))
+	}
+}
+
+// A chunked body (no Content-Length) is cut at the limit with 413.
+func TestChunkedOversizedOrderIsCutAtTheLimit(t *testing.T) {
+	t.Parallel()
+	p := startProc(t, fastEnv(t))
+	_, api := p.waitReady()
+	body := io.MultiReader(strings.NewReader(`{"customer":"`), strings.NewReader(strings.Repeat("x", 3<<20)), strings.NewReader(`"}`))
+	req := must(http.NewRequest(http.MethodPost, api+"/api/orders", body))
+	req.Header.Set("Content-Type", "application/json")
+	req.ContentLength = -1 // chunked
+	if a := do(&http.Client{Timeout: 10 * time.Second}, req); a.status != http.StatusRequestEntityTooLarge {
+		t.Errorf("a 3 MB chunked body: %s, want 413", a)
+	}
+}
+
+// Toxiproxy between the service and both dependencies: latency below the
+// request budget slows orders down, latency above it turns them into 503s
+// with Retry-After within the budget, and Redis resetting every connection
+// (reset_peer) or trickling at 1 KB/s leaves idempotent orders to the unique
+// key; all of it heals when the toxic goes.
+func TestToxicLatencyResetAndBandwidth(t *testing.T) {
+	t.Parallel()
+	tp := testToxiproxy(t)
+	env := fastEnv(t)
+	rd := testRedis(t)
+	pgProxy := proxyTo(t, tp, "postgres", must(url.Parse(env["DATABASE_URL"])).Host)
+	redisProxy := proxyTo(t, tp, "redis", rd.Addr)
+	env["DATABASE_URL"] = withHost(t, env["DATABASE_URL"], pgProxy.Listen)
+	env["REDIS_URL"] = withHost(t, rd.URL, redisProxy.Listen)
+	p := startProc(t, env)
+	_, api := p.waitReady()
+	client := &http.Client{Timeout: 15 * time.Second}
+	toxic := func(proxy *toxiproxy.Proxy, name, kind string, attrs toxiproxy.Attributes) func() {
+		if _, err := proxy.AddToxic(name, kind, "downstream", 1, attrs); err != nil {
+			t.Fatalf("adding %s to %s: %v", kind, proxy.Name, err)
+		}
+		return func() {
+			if err := proxy.RemoveToxic(name); err != nil {
+				t.Errorf("removing %s: %v", name, err)
+			}
+		}
+	}
+
+	remove := toxic(pgProxy, "slow", "latency", toxiproxy.Attributes{"latency": 20})
+	if a := postOrder(client, api, ""); a.status != http.StatusCreated {
+		t.Errorf("PostgreSQL 20 ms away: %s", a)
+	}
+	remove()
+	remove = toxic(pgProxy, "too-slow", "latency", toxiproxy.Attributes{"latency": 2000})
+	if a := postOrder(client, api, ""); a.status != http.StatusServiceUnavailable || a.retryAfter == "" || a.took > 3*time.Second {
+		t.Errorf("PostgreSQL 2 s away: %s, want 503 with Retry-After within the budget", a)
+	}
+	remove()
+	for name, kind := range map[string]string{"reset": "reset_peer", "trickle": "bandwidth"} {
+		attrs := toxiproxy.Attributes{"timeout": 0}
+		if kind == "bandwidth" {
+			attrs = toxiproxy.Attributes{"rate": 1}
+		}
+		remove = toxic(redisProxy, name, kind, attrs)
+		key := "toxic-" + name
+		first, again := postOrder(client, api, key), postOrder(client, api, key)
+		if first.status != http.StatusCreated || again.id != first.id || first.took > 3*time.Second {
+			t.Errorf("Redis %s: %s, then %s; want 201 at once and the same order", kind, first, again)
+		}
+		remove()
+	}
+	if a := postOrder(client, api, "toxic-healed"); a.status != http.StatusCreated {
+		t.Errorf("after the toxics: %s", a)
+	}
+}
+
+// The server's timeouts hold against idle, slow-body and slow-header clients
+// on both listeners.
+func TestProcessServerTimeouts(t *testing.T) {
+	env := fastEnv(t)
+	env["KUMIKO_HTTP_IDLE_TIMEOUT"] = "300ms"
+	env["KUMIKO_HTTP_READ_TIMEOUT"] = "300ms"
+	env["KUMIKO_HTTP_READ_HEADER_TIMEOUT"] = "200ms"
+	p := startProc(t, env)
+	ops, api := p.waitReady()
+
+	for name, base := range map[string]string{"api": api, "ops": ops} {
+		t.Run("idle keep-alive closed/"+name, func(t *testing.T) {
+			conn := dialBase(t, base)
+			fmt.Fprintf(conn, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+			br := bufio.NewReader(conn)
+			conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 200 || resp.Close {
+				t.Fatalf("first request: %d, close=%t; want a kept-alive 200", resp.StatusCode, resp.Close)
+			}
+			if rest := waitClosed(t, conn, br, 4*time.Second); rest != "" {
+				t.Fatalf("the server sent %q on an idle connection", rest)
+			}
+		})
+		t.Run("slowloris headers cut/"+name, func(t *testing.T) {
+			conn := dialBase(t, base)
+			fmt.Fprintf(conn, "GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ") // and nothing more
+			// The old fixed ReadHeaderTimeout was 5s: 3s tells the setting apart.
+			waitClosed(t, conn, conn, 3*time.Second)
+		})
+	}
+
+	t.Run("oversized headers refused", func(t *testing.T) {
+		req, _ := http.NewRequest(http.MethodGet, api+"/health", nil)
+		req.Header.Set("X-Big", strings.Repeat("x", 2*maxHeaderBytes)) // under net/http's 1 MB default
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusRequestHeaderFieldsTooLarge {
+			t.Fatalf("a %d-byte header: %d, want 431", 2*maxHeaderBytes, resp.StatusCode)
+		}
+	})
+	t.Run("stalled body cut", func(t *testing.T) {
+		conn := dialBase(t, api)
+		fmt.Fprintf(conn, "POST /api/orders HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n{\"customer")
+		got := waitClosed(t, conn, conn, 4*time.Second)
+		if !strings.HasPrefix(got, "HTTP/1.1 408") || !strings.Contains(got, "request_timeout") {
+			t.Fatalf("answer to a stalled body: %q, want a 408 request_timeout", got)
+		}
+	})
+}
+
+// One client IP that bursts gets 429 with Retry-After; another IP is not
+// affected, nor are the health routes.
+func TestProcessRateLimitPerClientIP(t *testing.T) {
+	env := fastEnv(t)
+	env["KUMIKO_API_RATE_LIMIT"] = "1"
+	env["KUMIKO_API_RATE_BURST"] = "3"
+	p := startProc(t, env)
+	_, api := p.waitReady()
+
+	client := func(ip string) *http.Client {
+		d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}}
+		return &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: d.DialContext}}
+	}
+	first := client("127.0.0.1")
+	var statuses []int
+	limited := false
+	for range 20 {
+		code, hdr, body, err := get(t, first, api+"/api/orders")
+		if err != nil {
+			t.Fatal(err)
+		}
+		statuses = append(statuses, code)
+		if code == http.StatusTooManyRequests {
+			errBody, _ := body["error"].(map[string]any)
+			if secs, err := strconv.Atoi(hdr.Get("Retry-After")); err != nil || secs < 1 || errBody["code"] != "rate_limited" {
+				t.Fatalf("429 with Retry-After %q and body %v", hdr.Get("Retry-After"), body)
+			}
+			limited = true
+			break
+		}
+	}
+	if !limited {
+		t.Fatalf("20 requests from one IP at burst 3, 1/s: statuses %v, want a 429", statuses)
+	}
+	for range 10 {
+		if code, _, _, err := get(t, first, api+"/health/ready"); err != nil || code == http.StatusTooManyRequests {
+			t.Fatalf("readiness on the API port while rate-limited: %d %v", code, err)
+		}
+	}
+	if code, _, body, err := get(t, client("127.0.0.2"), api+"/api/orders"); err != nil || code != 200 {
+		t.Fatalf("another client IP: %d %v %v", code, body, err)
+	}
+}
+
+// Behind a trusted proxy the client is the address it forwarded; from anyone
+// else X-Forwarded-For is ignored, so a client cannot pose as many.
+func TestProcessRateLimitBelievesOnlyTrustedProxies(t *testing.T) {
+	for _, tc := range []struct {
+		name, trusted string
+		separate      bool // two forwarded clients get a bucket each
+	}{
+		{"untrusted", "", false},
+		{"trusted", "127.0.0.1", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			env := fastEnv(t)
+			env["KUMIKO_API_RATE_LIMIT"] = "1"
+			env["KUMIKO_API_RATE_BURST"] = "2"
+			env["KUMIKO_TRUSTED_PROXIES"] = tc.trusted
+			p := startProc(t, env)
+			_, api := p.waitReady()
+			status := func(forwardedFor string) int {
+				req, _ := http.NewRequest(http.MethodGet, api+"/api/orders", nil)
+				req.Header.Set("X-Forwarded-For", forwardedFor)
+				resp, err := http.DefaultClient.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				resp.Body.Close()
+				return resp.StatusCode
+			}
+			var first []int
+			for len(first) < 10 && (len(first) == 0 || first[len(first)-1] != http.StatusTooManyRequests) {
+				first = append(first, status("203.0.113.1"))
+			}
+			if first[len(first)-1] != http.StatusTooManyRequests {
+				t.Fatalf("requests at burst 2, 1/s from client 203.0.113.1: %v, want a 429", first)
+			}
+			other := status("203.0.113.2") // at once: the shared bucket, if it is shared, is still empty
+			if got := other != http.StatusTooManyRequests; got != tc.separate {
+				t.Fatalf("trusted %q: client 203.0.113.2 after 203.0.113.1 was limited got %d; want a bucket of its own = %v",
+					tc.trusted, other, tc.separate)
+			}
+		})
+	}
+}
+
+// 5. Trace continuity: an order posted with a traceparent yields the delivery
+// and the job span in the same trace.
+func TestOrderTraceReachesTheJob(t *testing.T) {
+	rcv := newOTLPReceiver(t)
+	meili := newMeiliDouble(t, "available")
+	env := fastEnv(t)
+	env["OTEL_EXPORTER_OTLP_ENDPOINT"] = rcv.srv.URL
+	env["MEILI_URL"] = meili.srv.URL
+	env["KUMIKO_JOBS_POLL_INTERVAL"] = "100ms"
+	p := startProc(t, env)
+	_, api := p.waitReady()
+	const traceID = "4bf92f3577b34da6a3ce929d0e0e4736"
+	if code, _, body := post(t, api+"/api/orders", validOrder, map[string]string{"traceparent": "00-" + traceID + "-00f067aa0ba902b7-01"}); code != 201 {
+		t.Fatalf("POST %d %v", code, body)
+	}
+	waitFor(t, 10*time.Second, "the index job to run", func() bool { return meili.called("POST /indexes/orders/documents") })
+	time.Sleep(200 * time.Millisecond)
+	p.signal(syscall.SIGTERM) // flushes the spans
+	p.wait(10 * time.Second)
+
+	inTrace := map[string]bool{}
+	for _, s := range rcv.named("") {
+		if s.TraceID == traceID {
+			inTrace[s.Name] = true
+		}
+	}
+	for _, want := range []string{"POST /api/orders", "outbox.deliver order.created", "job indexOrder"} {
+		if !inTrace[want] {
+			t.Errorf("trace %s lacks %q; it has %v", traceID, want, inTrace)
+		}
+	}
+}
+
+// The orders demo's counters start at 0 too (its feature registers them).
+func TestProcessOrderCountersStartAtZero(t *testing.T) {
+	assertMetricsAfterBoot(t, []string{`kumiko_orders_total{result="conflict"} 0`, `kumiko_jobs_total{kind="report",result="failed"} 0`})
+}
