@@ -246,8 +246,12 @@ func TestOptionalAdaptersUpAndDown(t *testing.T) {
 				t.Errorf("phase %s not ok", phase)
 			}
 		}
-		if !meili.called("POST /indexes") || !meili.called("PUT /indexes/orders/settings/searchable-attributes") {
-			t.Errorf("phase 11 did not prepare the orders index: %v", meili.calls)
+		for _, f := range s.app.features {
+			for _, ix := range f.searchIndexes {
+				if !meili.called("POST /indexes") || !meili.called("PUT /indexes/"+ix.uid+"/settings/searchable-attributes") {
+					t.Errorf("phase 11 did not prepare the %s index of feature %s: %v", ix.uid, f.name, meili.calls)
+				}
+			}
 		}
 		client, _ := minio.New(s3.Endpoint, &minio.Options{Creds: credentials.NewStaticV4(s3.AccessKey, s3.SecretKey, "")})
 		if ok, err := client.BucketExists(context.Background(), "receipts"); !ok || err != nil {

@@ -25,7 +25,7 @@ func leaderEnv(t *testing.T) map[string]string {
 	env["KUMIKO_LEADER_RENEW_INTERVAL"] = "250ms"
 	env["KUMIKO_HEARTBEAT_INTERVAL"] = "200ms"
 	env["KUMIKO_HEARTBEAT_TTL"] = "1s"
-	env["KUMIKO_REPORT_CRON"] = "@every 1s"
+	env["KUMIKO_OUTBOX_PURGE_CRON"] = "@every 1s"
 	env["KUMIKO_JOBS_POLL_INTERVAL"] = "100ms"
 	return env
 }
@@ -49,11 +49,11 @@ func isLeader(t *testing.T, ops string) bool {
 	return err == nil && v == 1
 }
 
-// ticks counts report jobs per scheduled time.
+// ticks counts the outbox retention's cron jobs per scheduled time.
 func ticks(t *testing.T, pool *pgxpool.Pool) map[string]int {
 	t.Helper()
 	rows, err := pool.Query(context.Background(), `SELECT args->>'scheduledAt', count(*) FROM river_job
-		WHERE kind = 'report' AND NOT coalesce((args->>'manual')::boolean, false) GROUP BY 1`)
+		WHERE kind = 'purgeOutbox' AND NOT coalesce((args->>'manual')::boolean, false) GROUP BY 1`)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -93,7 +93,7 @@ func TestProcessOneLeaderEachTickOnce(t *testing.T) {
 	}
 	waitFor(t, 5*time.Second, "every tick older than a second to have run", func() bool {
 		var open int
-		pool.QueryRow(context.Background(), `SELECT count(*) FROM river_job WHERE kind = 'report' AND state <> 'completed'
+		pool.QueryRow(context.Background(), `SELECT count(*) FROM river_job WHERE kind = 'purgeOutbox' AND state <> 'completed'
 			AND created_at < now() - interval '1 second'`).Scan(&open)
 		return open == 0
 	})
@@ -213,7 +213,7 @@ func TestProcessCronEveryFiresOnTime(t *testing.T) {
 		}
 	}
 	var lastCreated time.Time
-	pool.QueryRow(context.Background(), `SELECT max(created_at) FROM river_job WHERE kind = 'report'`).Scan(&lastCreated)
+	pool.QueryRow(context.Background(), `SELECT max(created_at) FROM river_job WHERE kind = 'purgeOutbox'`).Scan(&lastCreated)
 	t.Logf("%d ticks in %s after becoming leader", len(at), lastCreated.Sub(led).Round(time.Millisecond))
 }
 
@@ -243,7 +243,7 @@ func TestProcessFlushallFencesAndTicksResume(t *testing.T) {
 	var resumed time.Time
 	waitFor(t, 4*time.Second, "a tick enqueued after FLUSHALL (2 × lock TTL)", func() bool {
 		pool.QueryRow(context.Background(), `SELECT coalesce(min(created_at), 'epoch') FROM river_job
-			WHERE kind = 'report' AND created_at > $1 AND (args->>'scheduledAt')::timestamptz > $1`, flushed).Scan(&resumed)
+			WHERE kind = 'purgeOutbox' AND created_at > $1 AND (args->>'scheduledAt')::timestamptz > $1`, flushed).Scan(&resumed)
 		return resumed.After(flushed)
 	})
 	t.Logf("FLUSHALL → next tick enqueued: %s", resumed.Sub(flushed).Round(time.Millisecond))
@@ -280,7 +280,7 @@ func TestProcessFencedLeaderStepsDownAndReacquires(t *testing.T) {
 	a.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "stopped leading", "reason": "fenced"})
 	waitFor(t, 5*time.Second, "a tick with a token above the fence", func() bool {
 		var n int
-		pool.QueryRow(context.Background(), `SELECT count(*) FROM river_job WHERE kind = 'report'
+		pool.QueryRow(context.Background(), `SELECT count(*) FROM river_job WHERE kind = 'purgeOutbox'
 			AND (args->>'fencingToken')::bigint > $1 AND created_at > $2`, fence, raised).Scan(&n)
 		return n > 0
 	})

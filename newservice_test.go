@@ -173,7 +173,7 @@ func servicesSideBySide(t *testing.T, bin, envPrefix, keyPrefix string) {
 		pool := sharedPool(t, envs[name])
 		waitFor(t, 15*time.Second, name+" to enqueue and run two cron ticks", func() bool {
 			var done int
-			pool.QueryRow(context.Background(), `SELECT count(*) FROM river_job WHERE kind = 'report' AND state = 'completed'`).Scan(&done)
+			pool.QueryRow(context.Background(), `SELECT count(*) FROM river_job WHERE kind = 'purgeOutbox' AND state = 'completed'`).Scan(&done)
 			return done >= 2
 		})
 		_, api := p.waitReady()

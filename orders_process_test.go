@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -634,4 +635,77 @@ func TestOrderTraceReachesTheJob(t *testing.T) {
 // The orders demo's counters start at 0 too (its feature registers them).
 func TestProcessOrderCountersStartAtZero(t *testing.T) {
 	assertMetricsAfterBoot(t, []string{`kumiko_orders_total{result="conflict"} 0`, `kumiko_jobs_total{kind="report",result="failed"} 0`})
+}
+
+// Two crons that cannot work, the demo's report in a zone that does not exist
+// and the purge that never fires: phase 6 names both at once.
+func TestProcessRefusesEveryBadCronAtOnce(t *testing.T) {
+	env := fastEnv(t)
+	env["KUMIKO_REPORT_CRON"] = "CRON_TZ=Europe/Atlantis 0 3 * * *"
+	env["KUMIKO_OUTBOX_PURGE_CRON"] = "0 0 30 2 *"
+	refusedInPhase6(t, env, "Europe/Atlantis", `cron "0 0 30 2 *" for job purgeOutbox: it has no tick within a year`)
+}
+
+// Searches that cannot finish (a lock blocks the orders table) hold at most
+// their share of the pool: readiness, on a connection of its own, stays 200,
+// and the searches are answered 503 with Retry-After within their budget.
+func TestStuckSearchesNeitherStarveTheProbeNorHang(t *testing.T) {
+	t.Parallel()
+	env := fastEnv(t)
+	dbURL := env["DATABASE_URL"]
+	env["DATABASE_URL"] += "&pool_max_conns=4"
+	env["KUMIKO_ADMIN_TOKEN"] = "stuck-searches-admin-token"
+	p := startProc(t, env)
+	ops, _ := p.waitReady()
+	locker, err := pgx.Connect(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Close(context.Background())
+	tx, err := locker.Begin(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background())
+	if _, err := tx.Exec(context.Background(), `LOCK TABLE orders IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+
+	client := &http.Client{Timeout: 15 * time.Second}
+	ctx, stop := context.WithCancel(context.Background())
+	var searches []answer
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			for ctx.Err() == nil {
+				req := must(http.NewRequest(http.MethodGet, ops+"/admin/orders?q=nobody", nil))
+				req.Header.Set("Authorization", "Bearer "+env["KUMIKO_ADMIN_TOKEN"])
+				a := do(client, req)
+				mu.Lock()
+				searches = append(searches, a)
+				mu.Unlock()
+			}
+		})
+	}
+	var probes []answer
+	for range 20 {
+		probes = append(probes, do(client, must(http.NewRequest(http.MethodGet, ops+"/health/ready", nil))))
+		time.Sleep(100 * time.Millisecond) // a probe period, the way a balancer asks
+	}
+	stop()
+	wg.Wait()
+	for _, a := range probes {
+		if a.status != http.StatusOK {
+			t.Errorf("readiness during the stuck searches: %s", a)
+		}
+	}
+	sort.Slice(searches, func(i, j int) bool { return searches[i].took < searches[j].took })
+	for _, a := range searches {
+		if a.status != http.StatusServiceUnavailable || a.retryAfter == "" || a.took > 3*time.Second {
+			t.Errorf("a stuck search: want 503 with Retry-After within its budget, got %s", a)
+			break
+		}
+	}
+	t.Logf("%d stuck searches, slowest answered in %s; %d probes all 200", len(searches), searches[len(searches)-1].took, len(probes))
 }

@@ -144,6 +144,10 @@ done < <(list_files)
 
 # Longer or shorter names shift gofmt's alignment of comments and map values.
 gofmt -l -w . >/dev/null || die "gofmt failed on the rewritten Go files"
+# The example config file aligns its comments after the values, which the new
+# names made longer or shorter: it is generated again from the settings table.
+example=$(ls ./*.config.example.yaml)
+go test -count=1 -run '^TestExampleConfigFile$' . -update >/dev/null || die "regenerating $example failed: go test -run TestExampleConfigFile . -update"
 
 echo "new-service: $old_module → $module, service $name"
 echo "  binary/version/OTel service.name $name, metrics ${snake}_*, env ${upper}_*, Redis ${name}:*, config ${name}.config.yaml, advisory lock $lock"
