@@ -41,6 +41,12 @@ type result struct {
 	// request again on another after a reused one had been closed under it
 	// (an idempotent request on which nothing had been written).
 	Conns int `json:"conns"`
+	// Of a failed answer only: the instance the load balancer sent it to (its
+	// X-Served-By header, absent when the balancer answered itself) and the
+	// start of the body, whose error code tells a draining instance's 503
+	// from a dependency's timeout or the balancer's own page.
+	Server string `json:"server,omitempty"`
+	Body   string `json:"body,omitempty"`
 }
 
 func (r result) failed() bool { return r.Status < 200 || r.Status > 299 }
@@ -145,9 +151,14 @@ func send(client *http.Client, t target) result {
 	}
 	resp, err := client.Do(req)
 	if err == nil {
+		r.Status = resp.StatusCode
+		if r.failed() {
+			head := make([]byte, bodyKept)
+			n, _ := io.ReadFull(resp.Body, head)
+			r.Server, r.Body = resp.Header.Get("X-Served-By"), string(head[:n])
+		}
 		_, err = io.Copy(io.Discard, resp.Body)
 		resp.Body.Close()
-		r.Status = resp.StatusCode
 	}
 	r.End = time.Now()
 	if err != nil {
@@ -155,6 +166,10 @@ func send(client *http.Client, t target) result {
 	}
 	return r
 }
+
+// bodyKept is how much of a failed answer's body is kept: enough for the
+// service's error code, or the title of the balancer's error page.
+const bodyKept = 120
 
 func writeResults(w *bufio.Writer, results <-chan result) error {
 	enc := json.NewEncoder(w)

@@ -96,13 +96,12 @@ func write(w io.Writer, runs []run, drains []drain) (failed int) {
 		all = append(all, r.results...)
 	}
 	t := breakdown(all, drains)
-	fmt.Fprintln(w, "failed requests by drain step (of the instance draining when the failure came) and client connection:")
-	fmt.Fprintf(w, "  %-16s %6s %6s\n", "step", "new", "reused")
+	fmt.Fprintln(w, "failed requests by drain step (of the instance draining when the failure came), client connection, and who answered:")
+	fmt.Fprintf(w, "  %-16s %6s %6s   %8s %6s %8s %9s\n", "step", "new", "reused", "draining", "other", "balancer", "no answer")
 	for _, step := range t.steps {
-		c := t.counts[step]
-		fmt.Fprintf(w, "  %-16s %6d %6d\n", step, c[0], c[1])
+		t.counts[step].row(w, step)
 	}
-	fmt.Fprintf(w, "  %-16s %6d %6d\n", "total", t.total[0], t.total[1])
+	t.total.row(w, "total")
 
 	const shown = 20
 	for i, f := range t.failures {
@@ -116,8 +115,13 @@ func write(w io.Writer, runs []run, drains []drain) (failed int) {
 			where = p.instance + " " + p.step
 		}
 		what := fmt.Sprintf("status %d", r.Status)
-		if r.Error != "" {
+		switch {
+		case r.Error != "":
 			what = r.Error
+		case r.Server != "":
+			what += " from " + r.Server + ": " + oneLine(r.Body)
+		default:
+			what += " from the load balancer: " + oneLine(r.Body)
 		}
 		fmt.Fprintf(w, "  failed at %s (%s, %s connection, %d conns tried, after %s): %s\n",
 			r.End.Format("15:04:05.000"), where, conn(r.Reused), r.Conns, r.End.Sub(r.Start).Round(100*time.Microsecond), what)
@@ -125,12 +129,50 @@ func write(w io.Writer, runs []run, drains []drain) (failed int) {
 	return failed
 }
 
-// table is the failed requests counted by step and by connection, [new, reused].
+// table is the failed requests counted by step.
 type table struct {
 	steps    []string // rows, in drain order: not draining, the steps, exit, exited
-	counts   map[string][2]int
-	total    [2]int
+	counts   map[string]*count
+	total    count
 	failures []placed
+}
+
+// count is one row of the table: the failures by client connection, and
+// again by who answered them.
+type count struct {
+	byConn   [2]int // new, reused
+	bySource [4]int // the draining instance, another one, the balancer itself, nobody
+}
+
+// The answerers of a failed request, the columns of bySource.
+const (
+	fromDraining = iota // the instance whose drain the failure fell in
+	fromOther           // an instance that was not draining: overload, a dependency
+	fromBalancer        // HAProxy's own page (no X-Served-By): no server, or a server's connection failed
+	fromNobody          // no answer at all: the client's connection failed or timed out
+)
+
+func (c *count) row(w io.Writer, name string) {
+	fmt.Fprintf(w, "  %-16s %6d %6d   %8d %6d %8d %9d\n", name, c.byConn[0], c.byConn[1],
+		c.bySource[fromDraining], c.bySource[fromOther], c.bySource[fromBalancer], c.bySource[fromNobody])
+}
+
+func (c *count) add(r result, p placement) {
+	conn := 0
+	if r.Reused {
+		conn = 1
+	}
+	c.byConn[conn]++
+	switch {
+	case r.Error != "":
+		c.bySource[fromNobody]++
+	case r.Server == "":
+		c.bySource[fromBalancer]++
+	case r.Server == p.instance:
+		c.bySource[fromDraining]++
+	default:
+		c.bySource[fromOther]++
+	}
 }
 
 type placed struct {
@@ -142,7 +184,7 @@ type placed struct {
 // are every stretch of every drain, in order, even with nothing in them: a
 // table of zeros says the drain lost nothing anywhere.
 func breakdown(results []result, drains []drain) table {
-	t := table{steps: []string{stepServing}, counts: map[string][2]int{}}
+	t := table{steps: []string{stepServing}, counts: map[string]*count{}}
 	for _, d := range drains {
 		for _, s := range d.spans() {
 			if !slices.Contains(t.steps, s.name) {
@@ -153,19 +195,16 @@ func breakdown(results []result, drains []drain) table {
 	if len(drains) == 0 {
 		t.steps = append(t.steps, stepExit, stepDown)
 	}
+	for _, step := range t.steps {
+		t.counts[step] = &count{}
+	}
 	for _, r := range results {
 		if !r.failed() {
 			continue
 		}
 		p := place(drains, r.End)
-		c := t.counts[p.step]
-		i := 0
-		if r.Reused {
-			i = 1
-		}
-		c[i]++
-		t.total[i]++
-		t.counts[p.step] = c
+		t.counts[p.step].add(r, p)
+		t.total.add(r, p)
 		t.failures = append(t.failures, placed{r, p})
 	}
 	slices.SortFunc(t.failures, func(a, b placed) int { return a.End.Compare(b.End) })
@@ -211,6 +250,9 @@ func ms(d time.Duration) string {
 	}
 	return fmt.Sprintf("%6.2f ms", float64(d)/float64(time.Millisecond))
 }
+
+// oneLine is a body fit for one line of the report.
+func oneLine(body string) string { return strings.Join(strings.Fields(body), " ") }
 
 func conn(reused bool) string {
 	if reused {

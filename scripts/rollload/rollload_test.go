@@ -119,28 +119,38 @@ func TestBreakdownCountsByStepAndConnection(t *testing.T) {
 		ok(-100), ok(300), ok(505),
 		{Start: at(505), End: at(506), Error: "connection reset by peer", Reused: true, Conns: 1},
 		{Start: at(506), End: at(507), Status: 502, Reused: true, Conns: 2},
-		{Start: at(800), End: at(800), Status: 503, Conns: 1},
-		{Start: at(-200), End: at(-199), Status: 500, Conns: 1},
+		{Start: at(800), End: at(800), Status: 503, Conns: 1, Body: "<html><body><h1>503 Service Unavailable</h1>\nNo server"},
+		{Start: at(-200), End: at(-199), Status: 500, Conns: 1, Server: "app2", Body: `{"error":{"code":"internal"}}`},
+		{Start: at(299), End: at(300), Status: 503, Conns: 1, Server: "app1", Body: `{"error":{"code":"draining"}}`},
 	}
 	var out strings.Builder
 	failed := write(&out, []run{{name: "roll", results: results}}, drains)
-	if failed != 4 {
-		t.Errorf("want 4 failed, got %d", failed)
+	if failed != 5 {
+		t.Errorf("want 5 failed, got %d", failed)
 	}
 	for _, want := range []string{
-		"roll     requests      7  failed    4",
+		"roll     requests      8  failed    5",
 		"resent by net/http on a new connection 1",
 		"app1     SIGTERM → exit   700 ms  (linger 499 ms, ended quiet)",
-		"  not draining          1      0",
-		"  closeListener         0      2",
-		"  exited                1      0",
-		"  total                 2      2",
+		//          step            new reused  draining other balancer nobody
+		row("not draining", 1, 0, 0, 1, 0, 0),
+		row("linger", 1, 0, 1, 0, 0, 0),
+		row("closeListener", 0, 2, 0, 0, 1, 1),
+		row("exited", 1, 0, 0, 0, 1, 0),
+		row("total", 3, 2, 1, 1, 2, 1),
 		"(app1 closeListener, reused connection, 1 conns tried, after 1ms): connection reset by peer",
+		"(app1 exited, new connection, 1 conns tried, after 0s): status 503 from the load balancer: <html><body><h1>503 Service Unavailable</h1> No server",
+		`(not draining, new connection, 1 conns tried, after 1ms): status 500 from app2: {"error":{"code":"internal"}}`,
 	} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("want %q in the report:\n%s", want, out.String())
 		}
 	}
+}
+
+// row is a line of the table as the report prints it.
+func row(step string, n ...int) string {
+	return fmt.Sprintf("  %-16s %6d %6d   %8d %6d %8d %9d\n", step, n[0], n[1], n[2], n[3], n[4], n[5])
 }
 
 // With nothing failed the table is still there, one row of zeros a step:
@@ -156,7 +166,7 @@ func TestBreakdownPrintsZeros(t *testing.T) {
 		t.Errorf("want 0 failed, got %d", failed)
 	}
 	for _, step := range []string{stepServing, "readiness", "linger", "closeListener", "sseClose", "inFlight", "jobsWorker", "opsListener", stepExit, stepDown, "total"} {
-		if want := fmt.Sprintf("  %-16s %6d %6d\n", step, 0, 0); !strings.Contains(out.String(), want) {
+		if want := row(step, 0, 0, 0, 0, 0, 0); !strings.Contains(out.String(), want) {
 			t.Errorf("want the row %q in the report:\n%s", want, out.String())
 		}
 	}
@@ -173,6 +183,10 @@ func TestSendTellsNewFromReused(t *testing.T) {
 		if r.URL.Query().Has("close") {
 			w.Header().Set("Connection", "close")
 		}
+		if r.URL.Query().Has("fail") {
+			w.Header().Set("X-Served-By", "app1") // what HAProxy adds in scripts/lib.sh
+			http.Error(w, `{"error":{"code":"draining"}}`, http.StatusServiceUnavailable)
+		}
 	}))
 	defer srv.Close()
 	client := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{}}
@@ -184,6 +198,9 @@ func TestSendTellsNewFromReused(t *testing.T) {
 		if r.failed() || r.Reused != c.reused || r.Conns != 1 || r.End.Before(r.Start) {
 			t.Errorf("request %d: want status 200 on a %s connection, got %+v", i+1, conn(c.reused), r)
 		}
+	}
+	if r := send(client, target{Method: http.MethodGet, URL: srv.URL + "?fail"}); r.Status != 503 || r.Server != "app1" || !strings.Contains(r.Body, `"draining"`) {
+		t.Errorf("a failed answer: want its status, server and body kept, got %+v", r)
 	}
 	if r := send(client, target{Method: http.MethodGet, URL: "http://127.0.0.1:1/"}); !r.failed() || r.Reused || r.Error == "" {
 		t.Errorf("a refused connection: want a failed request on a new connection with its error, got %+v", r)
