@@ -43,6 +43,25 @@ func TestLingerWithoutTrafficEndsAfterOneProbePeriod(t *testing.T) {
 	}
 }
 
+// KUMIKO_LINGER_QUIET = KUMIKO_LINGER is a fixed linger, also on an instance
+// nobody ever sent anything: the quiet counts from the stop request, not
+// from the last client before it.
+func TestFixedLingerLastsWithoutTraffic(t *testing.T) {
+	t.Parallel()
+	env := fastEnv(t)
+	env["KUMIKO_LINGER"], env["KUMIKO_LINGER_QUIET"], env["KUMIKO_READINESS_PROBE_PERIOD"] = "1s", "1s", "100ms"
+	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "20s"
+	p := startProc(t, env)
+	p.waitReady()
+	p.signal(syscall.SIGTERM)
+	line := lingerEnded(t, p)
+	code := p.wait(20 * time.Second)
+	t.Logf("fixed linger, no traffic: linger %v ms (%v), exit %d", line["duration_ms"], line["ended"], code)
+	if ms, _ := line["duration_ms"].(float64); line["ended"] != "max" || ms < 1000 || code != 0 {
+		t.Errorf("linger %.0f ms ended=%v, exit %d: want at least 1000 ms, max, and 0", ms, line["ended"], code)
+	}
+}
+
 // A client that keeps sending keeps the instance lingering until
 // KUMIKO_LINGER; once it stops, the linger ends a quiet period later.
 func TestLingerLastsWhileRequestsComeAndEndsWhenTheyStop(t *testing.T) {

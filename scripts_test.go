@@ -16,9 +16,12 @@ import (
 
 // 4. (issue 6) The rolling deploy runs with a short load and fails when any
 // request fails: two instances behind HAProxy, each stopped with SIGTERM and
-// started again while vegeta sends requests through the load balancer.
+// started again while scripts/rollload sends requests through the load
+// balancer. (issue 23) Its verdict explains itself: each instance's
+// SIGTERM → exit, and the failed requests by drain step and connection,
+// printed as a table of zeros when none failed.
 func TestRollingDeployLosesNoRequest(t *testing.T) {
-	for _, bin := range []string{"haproxy", "vegeta", "redis-server", "curl"} {
+	for _, bin := range []string{"haproxy", "redis-server", "curl"} {
 		if _, err := exec.LookPath(bin); err != nil {
 			failOrSkip(t, &missingServiceError{what: bin, install: "scripts/install-deps.sh"})
 		}
@@ -38,6 +41,26 @@ func TestRollingDeployLosesNoRequest(t *testing.T) {
 	}
 	if !strings.Contains(string(out), "ok: no request failed") {
 		t.Fatalf("no verdict in the output:\n%s", lastLines(string(out), 30))
+	}
+	lines := strings.Split(string(out), "\n")
+	for _, app := range []string{"app1", "app2"} {
+		if lineWith(lines, app, "SIGTERM → exit", "ms") < 0 {
+			t.Errorf("no SIGTERM → exit for %s in the output:\n%s", app, lastLines(string(out), 30))
+		}
+	}
+	// Every step of the drain is a row, and every count in it is 0.
+	table := lineWith(lines, "failed requests by drain step")
+	for _, step := range []string{"not draining", "readiness", "linger", "closeListener", "sseClose", "inFlight", "db", "opsListener", "exited", "total"} {
+		var counts []string
+		for i := max(table, 0); i < len(lines) && table >= 0; i++ {
+			if f := strings.Fields(lines[i]); len(f) > 6 && strings.Join(f[:len(f)-6], " ") == step {
+				counts = f[len(f)-6:]
+				break
+			}
+		}
+		if strings.Join(counts, " ") != "0 0 0 0 0 0" {
+			t.Errorf("want the row %q with six zeros in the breakdown, got %q:\n%s", step, counts, lastLines(string(out), 30))
+		}
 	}
 }
 

@@ -227,11 +227,16 @@ func (a *app) stopBeingReady(context.Context) error {
 // the 503 (KUMIKO_READINESS_PROBE_PERIOD). KUMIKO_LINGER bounds it. With no
 // traffic at all it lasts lingerMin; behind a balancer that keeps sending,
 // KUMIKO_LINGER. One line says which ended it.
+//
+// The quiet counts from the stop request only: a lull before it says nothing
+// about whether the balancer has seen the 503. It also keeps lingerQuiet =
+// KUMIKO_LINGER a fixed linger on an instance that was never sent anything.
 func (a *app) linger(ctx context.Context) error {
 	t, start := a.timeouts, time.Now()
 	ended := "max"
 	for {
-		elapsed, quiet := time.Since(start), a.api.traffic.quietFor()
+		elapsed := time.Since(start)
+		quiet := min(a.api.traffic.quietFor(), elapsed)
 		if elapsed >= t.linger {
 			break
 		}

@@ -137,6 +137,7 @@ frontend api
   stats uri /lb-stats
   default_backend apps
 backend apps
+  http-response set-header X-Served-By %s # which instance answered: rollload names it for a failed request
   option httpchk GET /health/ready
   http-check expect status 200
   default-server inter ${LB_CHECK_INTERVAL:-500ms} fall 1 rise 2
