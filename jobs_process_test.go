@@ -185,7 +185,7 @@ func TestProcessSplitBrainIsFenced(t *testing.T) {
 // 500ms, which used to push the next tick back at every beat) fires every 2s.
 func TestProcessCronEveryFiresOnTime(t *testing.T) {
 	env := leaderEnv(t)
-	env["KUMIKO_REPORT_CRON"] = "@every 2s"
+	env["KUMIKO_OUTBOX_PURGE_CRON"] = "@every 2s"
 	env["KUMIKO_LEADER_LOCK_TTL"] = "3s"
 	env["KUMIKO_LEADER_RENEW_INTERVAL"] = "1s"
 	env["KUMIKO_HEARTBEAT_INTERVAL"] = "500ms"
