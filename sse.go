@@ -526,8 +526,12 @@ func (h *sseHub) closeStreams(drain, hard context.Context, spread, step time.Dur
 			break // the budget is spent: the rest are force-closed below
 		}
 		h.mu.Lock()
-		for ; i < len(plan) && plan[i].at <= time.Since(start); i++ {
-			h.sayGoodbye(streams[i], plan[i].retry)
+		for elapsed := time.Since(start); i < len(plan) && plan[i].at <= elapsed; i++ {
+			// A goodbye that goes out late (a busy CPU, a timer that fired
+			// late) gets a shorter hint, so its client still comes back at
+			// the moment it was aimed at, not in a bunch with the others.
+			late := elapsed - plan[i].at
+			h.sayGoodbye(streams[i], max(h.cfg.RetryHint, plan[i].retry-late))
 		}
 		h.mu.Unlock()
 	}
