@@ -247,6 +247,7 @@ func (a *app) linger(ctx context.Context) error {
 	}
 	a.log.WithFields(logrus.Fields{"component": "lifecycle", "event": "linger_ended", "ended": ended,
 		"duration_ms": time.Since(start).Milliseconds(), "quiet_ms": t.lingerQuiet.Milliseconds()}).Info("lifecycle")
+	a.status.lingerDone(ended) // the dashboard shows it next to the step
 	return nil
 }
 
