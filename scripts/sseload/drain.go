@@ -458,6 +458,9 @@ func newCPUSampler(pid int, period time.Duration) *cpuSampler {
 			case <-tick.C:
 			}
 			now, t := cpuSeconds(pid), time.Now()
+			if t.Sub(at) < period/2 {
+				continue // a late tick followed by a prompt one: too short to divide by
+			}
 			pct := 100 * (now - last) / t.Sub(at).Seconds()
 			s.peak, s.sum, s.n = max(s.peak, pct), s.sum+pct, s.n+1
 			last, at = now, t
