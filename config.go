@@ -87,6 +87,10 @@ type sseConfig struct {
 	RetryHint       time.Duration
 	WriteTimeout    time.Duration
 	MaxStreamsPerIP uint
+	// The drain spreads the streams' reconnects over a window of
+	// ReconnectSpreadPerStream per open stream, at most ReconnectSpread.
+	ReconnectSpread          time.Duration
+	ReconnectSpreadPerStream time.Duration
 }
 
 // httpConfig bounds what a client can hold on both listeners and how fast one
@@ -264,6 +268,10 @@ func (c *config) settings() []configSetting {
 			doc: "comment lines that keep idle proxies from closing a stream", old: "sse.heartbeatSec"},
 		{key: "sse.retry", env: "KUMIKO_SSE_RETRY", def: "1s", value: durationValue{p: &c.SSE.RetryHint},
 			doc: "the retry: hint a client waits before reconnecting", old: "sse.retrySec"},
+		{key: "sse.reconnectSpread", env: "KUMIKO_SSE_RECONNECT_SPREAD", def: "10s", value: durationValue{p: &c.SSE.ReconnectSpread, zeroOK: true},
+			doc: "the drain spreads its streams' reconnects over up to this (and at most the drain budget): each goodbye's retry: hint differs, the streams close over the first half; 0: all at once"},
+		{key: "sse.reconnectSpreadPerStream", env: "KUMIKO_SSE_RECONNECT_SPREAD_PER_STREAM", def: "2ms", value: durationValue{p: &c.SSE.ReconnectSpreadPerStream},
+			doc: "the spread grows by this per open stream (5,000 streams: 10s, 500 per second on the instances they move to; 1 stream: no wait)"},
 		{key: "sse.writeTimeout", env: "KUMIKO_SSE_WRITE_TIMEOUT", def: "10s", value: durationValue{p: &c.SSE.WriteTimeout},
 			doc: "a stream that moves less than 16 KB to its client within this is dropped: a stalled reader cannot pin a handler, a slow steady one is not cut", old: "sse.writeTimeoutSec"},
 		{key: "sse.maxStreamsPerIp", env: "KUMIKO_SSE_MAX_STREAMS_PER_IP", def: "20", value: uintValue{p: &c.SSE.MaxStreamsPerIP},

@@ -327,6 +327,16 @@ func TestLoadConfigProblems(t *testing.T) {
 			},
 		},
 		{
+			name: "reconnect spread",
+			file: "sse:\n  reconnectSpread: soon\n",
+			env:  map[string]string{"KUMIKO_SSE_RECONNECT_SPREAD": "-1s", "KUMIKO_SSE_RECONNECT_SPREAD_PER_STREAM": "0"},
+			want: []string{
+				`kumiko.config.yaml: line 2: sse.reconnectSpread: time: invalid duration "soon"`,
+				`KUMIKO_SSE_RECONNECT_SPREAD: "-1s" is negative`,
+				"KUMIKO_SSE_RECONNECT_SPREAD_PER_STREAM: must be greater than zero",
+			},
+		},
+		{
 			name: "a key under its new and its former name",
 			file: "lifecycle:\n  linger: 2s\n  lingerSec: 3\n",
 			want: []string{"kumiko.config.yaml: line 3: lifecycle.lingerSec is the former name of lifecycle.linger, which line 2 sets too; keep only lifecycle.linger"},

@@ -10,6 +10,7 @@ import (
 	"math"
 	"net/http"
 	"regexp"
+	"slices"
 	"sync"
 	"time"
 
@@ -194,7 +195,13 @@ type instanceStatus struct {
 	RPS        float64       `json:"rps"`
 	Phases     []statusPhase `json:"phases"`
 	Drain      []drainStep   `json:"drain"`
-	UpdatedAt  int64         `json:"updatedAt"` // unix milliseconds
+	// LingerEnded says what ended the drain's linger: "quiet" (the load
+	// balancer had stopped sending) or "max" (KUMIKO_LINGER); empty before.
+	LingerEnded string `json:"lingerEnded,omitempty"`
+	// JobsInterrupted counts the jobs the drain cut off and put back
+	// without spending an attempt (kumiko_jobs_total{result="interrupted"}).
+	JobsInterrupted int64 `json:"jobsInterrupted"`
+	UpdatedAt       int64 `json:"updatedAt"` // unix milliseconds
 }
 
 // statusPublisher writes this instance's record every statusInterval, and at
@@ -205,22 +212,24 @@ type statusPublisher struct {
 	instanceID string
 	lc         *Lifecycle
 	requests   prometheus.Collector // kumiko_http_requests_total: rps is its rate
+	jobs       prometheus.Collector // kumiko_jobs_total: its interrupted jobs
 	log        *logrus.Entry
 
 	kick  chan struct{}
 	unsub func()
 
-	mu        sync.Mutex
-	drain     []drainStep
-	rps       float64
-	lastCount float64
-	lastAt    time.Time
+	mu          sync.Mutex
+	drain       []drainStep
+	lingerEnded string
+	rps         float64
+	lastCount   float64
+	lastAt      time.Time
 }
 
 func newStatusPublisher(rdb *redis.Client, instanceID string, lc *Lifecycle, m *metrics, log *logrus.Entry,
 	onPanic func(component string, recovered any)) *statusPublisher {
 	return &statusPublisher{startStop: newStartStop("clusterStatus", stopNow, onPanic), rdb: rdb, instanceID: instanceID,
-		lc: lc, requests: m.httpRequests, log: log, kick: make(chan struct{}, 1)}
+		lc: lc, requests: m.httpRequests, jobs: m.jobs, log: log, kick: make(chan struct{}, 1)}
 }
 
 // Start starts the loop, which writes the first record at once; Stop ends
@@ -272,6 +281,17 @@ func (sp *statusPublisher) stepDone(name string, took time.Duration, err error) 
 	sp.poke()
 }
 
+// lingerDone records what ended the drain's linger: quiet or max.
+func (sp *statusPublisher) lingerDone(reason string) {
+	if sp == nil {
+		return
+	}
+	sp.mu.Lock()
+	sp.lingerEnded = reason
+	sp.mu.Unlock()
+	sp.poke()
+}
+
 // Stop ends the loop, then writes the last record: "stopped", kept for
 // stoppedTTL. It runs as the shutdown hook just before the Redis client
 // closes — after it the instance only closes Redis and the DB pool and
@@ -292,13 +312,25 @@ func (sp *statusPublisher) Stop(ctx context.Context) error {
 }
 
 // requestCount sums kumiko_http_requests_total over its labels.
-func (sp *statusPublisher) requestCount() float64 {
+func (sp *statusPublisher) requestCount() float64 { return counterSum(sp.requests, "", "") }
+
+// interruptedJobs sums kumiko_jobs_total{result="interrupted"} over the job kinds.
+func (sp *statusPublisher) interruptedJobs() int64 {
+	return int64(counterSum(sp.jobs, "result", "interrupted"))
+}
+
+// counterSum sums a counter's series whose label name has value; all of
+// them when name is empty.
+func counterSum(c prometheus.Collector, name, value string) float64 {
 	ch := make(chan prometheus.Metric, 64)
-	go func() { sp.requests.Collect(ch); close(ch) }()
+	go func() { c.Collect(ch); close(ch) }()
 	var total float64
 	for m := range ch {
 		var pb dto.Metric
-		if m.Write(&pb) == nil && pb.Counter != nil {
+		if m.Write(&pb) != nil || pb.Counter == nil {
+			continue
+		}
+		if name == "" || slices.ContainsFunc(pb.Label, func(l *dto.LabelPair) bool { return l.GetName() == name && l.GetValue() == value }) {
 			total += pb.Counter.GetValue()
 		}
 	}
@@ -307,7 +339,7 @@ func (sp *statusPublisher) requestCount() float64 {
 
 func (sp *statusPublisher) snapshot(state string) instanceStatus {
 	now := time.Now()
-	count := sp.requestCount()
+	count, interrupted := sp.requestCount(), sp.interruptedJobs()
 	timeline := sp.lc.Timeline()
 	phases := make([]statusPhase, len(timeline))
 	for i, p := range timeline {
@@ -323,7 +355,8 @@ func (sp *statusPublisher) snapshot(state string) instanceStatus {
 		sp.lastCount, sp.lastAt = count, now
 	}
 	return instanceStatus{InstanceID: sp.instanceID, State: state, UptimeSec: int64(sp.lc.Uptime().Seconds()),
-		RPS: math.Round(sp.rps*10) / 10, Phases: phases, Drain: append([]drainStep{}, sp.drain...), UpdatedAt: now.UnixMilli()}
+		RPS: math.Round(sp.rps*10) / 10, Phases: phases, Drain: append([]drainStep{}, sp.drain...),
+		LingerEnded: sp.lingerEnded, JobsInterrupted: interrupted, UpdatedAt: now.UnixMilli()}
 }
 
 // statusScript writes an instance's status record (KEYS[1], ARGV[1], TTL

@@ -205,6 +205,10 @@ func TestDashboardClusterDrainInHeadlessChromium(t *testing.T) {
 	if code := app1.wait(20 * time.Second); code != 0 {
 		t.Fatalf("app1 exit code %d, want 0", code)
 	}
+	ended := app1.waitLog(time.Second, map[string]any{"event": "linger_ended"})["ended"]
+	waitDOM(t, ctx, 10*time.Second, fmt.Sprintf("what ended app1's linger (%v) and its interrupted jobs (none)", ended),
+		card("app1")+fmt.Sprintf(`.querySelector('li[data-step="linger"] .linger-ended[data-ended=%q]') && `, ended)+
+			card("app1")+`.querySelector('.interrupted[data-count="0"]')`)
 	waitDOM(t, ctx, 20*time.Second, "app2 ready and leader after a hand-over, serving the page and the resumed stream",
 		card("app2")+`.dataset.state === "ready" && `+card("app2")+`.querySelector(".leader") && `+
 			`document.querySelector("#leader").textContent === "app2" && `+

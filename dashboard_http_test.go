@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/riverqueue/river"
 )
 
 // The dashboard page is served at / on the API port, and /api/instance gives
@@ -93,5 +95,37 @@ func TestDashboardInstanceStatusRecords(t *testing.T) {
 	}
 	if ttl := rdb.PTTL(context.Background(), statusKeyPrefix+id).Val(); ttl <= statusTTL || ttl > stoppedTTL {
 		t.Fatalf("stopped record TTL %s, want above %s and at most %s", ttl, statusTTL, stoppedTTL)
+	}
+	linger := s.logs.find(map[string]any{"event": "linger_ended"})
+	if linger == nil || st.LingerEnded != linger["ended"] || st.JobsInterrupted != 0 {
+		t.Fatalf("stopped record: lingerEnded %q, jobsInterrupted %d; want the log's %v and 0: %s", st.LingerEnded, st.JobsInterrupted, linger, raw)
+	}
+}
+
+// A job the drain cuts off is counted on the dashboard: the stopped record
+// says how many jobs went back to the queue, and what ended the linger.
+func TestDashboardRecordCountsInterruptedJobs(t *testing.T) {
+	env := fastEnv(t)
+	env["KUMIKO_LINGER"], env["KUMIKO_DRAIN_TIMEOUT"], env["KUMIKO_SHUTDOWN_TIMEOUT"] = "0", "200ms", "1500ms"
+	s := startInProcess(t, env)
+	res, err := s.app.jobs.client.Insert(context.Background(), sleepArgs{Ms: 5000}, &river.InsertOpts{MaxAttempts: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := sharedPool(t, env)
+	waitFor(t, 10*time.Second, "the job running", func() bool { return jobState(t, pool, res.Job.ID) == "running" })
+	if err := s.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	raw, err := redisClient(t, env["REDIS_URL"]).Get(context.Background(), statusKeyPrefix+env["KUMIKO_INSTANCE_ID"]).Result()
+	if err != nil {
+		t.Fatalf("the stopped record: %v", err)
+	}
+	var st instanceStatus
+	if err := json.Unmarshal([]byte(raw), &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.JobsInterrupted != 1 || st.LingerEnded != "max" { // a linger of 0 ends by its bound at once
+		t.Fatalf("stopped record: jobsInterrupted %d, lingerEnded %q; want 1 and max: %s", st.JobsInterrupted, st.LingerEnded, raw)
 	}
 }

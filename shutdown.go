@@ -174,8 +174,8 @@ func (a *app) shutdown(bootErr error) error {
 //	stop request ─┬─ readiness       state → draining: /health/ready answers 503, responses say Connection: close
 //	              ├─ linger          serve on until the load balancer has stopped sending (at most KUMIKO_LINGER)
 //	              ├─ closeListener   until the API port refuses new connections
-//	              ├─ sseClose        ┐ KUMIKO_DRAIN_TIMEOUT: streams get `event: shutdown`,
-//	              ├─ inFlight        ┘ requests finish; what is left then is force-closed
+//	              ├─ sseClose        ┐ KUMIKO_DRAIN_TIMEOUT: streams get `event: shutdown`, spread
+//	              ├─ inFlight        ┘ out; requests finish; what is left then is force-closed
 //	              ├─ sseHub … db     the release hooks, newest first: the boot read backwards
 //	              │                  (sseHub, leaderElection, jobsHeartbeat, outboxPoller,
 //	              │                  jobsWorker, search, heartbeats, clusterStatus, redis, db)
@@ -252,6 +252,7 @@ func (a *app) linger(ctx context.Context) error {
 	}
 	a.log.WithFields(logrus.Fields{"component": "lifecycle", "event": "linger_ended", "ended": ended,
 		"duration_ms": time.Since(start).Milliseconds(), "quiet_ms": t.lingerQuiet.Milliseconds()}).Info("lifecycle")
+	a.status.lingerDone(ended) // the dashboard shows it next to the step
 	return nil
 }
 
@@ -296,14 +297,18 @@ func (a *app) closeAPIListener(context.Context) error {
 // closeStreams ends the event streams with `event: shutdown` and a retry
 // hint. http.Server.Shutdown never ends a streaming response by itself, and
 // streams are not in-flight requests: the drain would otherwise always run
-// into its timeout. A client that stopped reading cannot take its goodbye, so
-// what is left when drainCtx ends is force-closed (its write deadline pulled
-// to now), and the release hooks keep their share of the budget.
+// into its timeout. The goodbyes and their retry hints are spread over a
+// window that grows with the streams (KUMIKO_SSE_RECONNECT_SPREAD), so their
+// clients do not all reconnect to the other instances in the same instant.
+// A client that stopped reading cannot take its goodbye, so what is left
+// when drainCtx ends is force-closed (its write deadline pulled to now), and
+// the release hooks keep their share of the budget.
 func (a *app) closeStreams(drainCtx, ctx context.Context) error {
-	asked, forced, err := a.sse.closeStreams(drainCtx, ctx)
+	r, err := a.sse.closeStreams(drainCtx, ctx, a.timeouts.sseSpread, a.timeouts.sseSpreadStep)
 	// streams_open is kumiko_sse_streams now: 0 unless a handler outlived its force-close.
-	entry := a.log.WithFields(logrus.Fields{"component": "sse", "streams": asked, "forced": forced, "streams_open": a.sse.openStreams()})
-	if forced > 0 {
+	entry := a.log.WithFields(logrus.Fields{"component": "sse", "streams": r.asked, "forced": r.forced,
+		"streams_open": a.sse.openStreams(), "spread_ms": r.window.Milliseconds()})
+	if r.forced > 0 {
 		entry.WithField("drain_timeout_ms", a.timeouts.drain.Milliseconds()).Warn("drain timeout: force-closed event streams that did not end")
 	} else {
 		entry.Info("event streams closed")

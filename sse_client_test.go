@@ -19,6 +19,7 @@ type sseFrame struct {
 	Event string
 	Data  map[string]any
 	Retry int
+	At    time.Time // when it arrived
 }
 
 // sseClient reads one event stream in the background, like a browser's
@@ -91,6 +92,7 @@ func (c *sseClient) read(resp *http.Response) {
 		switch {
 		case line == "":
 			if f.Event != "" || f.Data != nil {
+				f.At = time.Now()
 				c.mu.Lock()
 				c.frames = append(c.frames, f)
 				c.mu.Unlock()

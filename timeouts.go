@@ -26,6 +26,12 @@ type timeouts struct {
 	// notice the 503 (KUMIKO_READINESS_PROBE_PERIOD).
 	lingerMin, lingerQuiet time.Duration
 	drain                  time.Duration // steps sseClose and inFlight together: KUMIKO_DRAIN_TIMEOUT
+	// sseClose spreads the event streams' reconnects over sseSpreadStep per
+	// open stream, at most sseSpread (KUMIKO_SSE_RECONNECT_SPREAD, never more
+	// than the drain budget nor what is left of it when the step begins).
+	// The goodbyes go out over the first half of that window, so the last
+	// stream is closed with half of the drain budget still to spare.
+	sseSpread, sseSpreadStep time.Duration
 	// Kept back for each release hook still waiting, so one hung hook cannot
 	// eat the time the DB pool needs to close.
 	hookReserve time.Duration
@@ -106,6 +112,8 @@ func newTimeouts(c config) timeouts {
 		lingerMin:      min(l.Readiness.ProbePeriod, l.Linger),
 		lingerQuiet:    cmp.Or(l.LingerQuiet, l.Readiness.ProbePeriod/2),
 		drain:          l.DrainTimeout,
+		sseSpread:      min(c.SSE.ReconnectSpread, l.DrainTimeout),
+		sseSpreadStep:  c.SSE.ReconnectSpreadPerStream,
 		hookReserve:    time.Second,
 		jobsSoftStop:   max(releases/2, abandonGrace),
 		redisRelease:   time.Second,

@@ -5,6 +5,11 @@
 // stream received it; then it sends SIGTERM and times the exit.
 //
 //	sseload -api http://127.0.0.1:18091 -pid 1234 -streams 10000 -rate 200 -duration 10s
+//
+// With -drain it measures what a drain does to the instance the streams
+// move to (drain.go):
+//
+//	sseload -drain -api http://127.0.0.1:18093,http://127.0.0.1:18095 -pid 1234 -survivor-pid 1235 -streams 5000 -rate 20
 package main
 
 import (
@@ -45,6 +50,9 @@ func run() error {
 	linger := flag.Duration("linger", 0, "the instance's KUMIKO_LINGER, for the exit budget")
 	metricsURL := flag.String("metrics", "", "the instance's /metrics: kumiko_sse_send_lag_seconds, the server's side of the latency")
 	cpuProfile := flag.String("cpuprofile", "", "write this tool's own CPU profile here: it shares the cores it measures")
+	drain := flag.Bool("drain", false, "measure a drain instead: streams on the first of -api (a comma-separated list), "+
+		"SIGTERM -pid, clients move to the next instance after their retry hint")
+	survivorPid := flag.Int("survivor-pid", 0, "with -drain: process id of the instance the clients move to (its CPU)")
 	flag.Parse()
 	if *cpuProfile != "" {
 		f, err := os.Create(*cpuProfile)
@@ -56,6 +64,9 @@ func run() error {
 			return err
 		}
 		defer pprof.StopCPUProfile()
+	}
+	if *drain {
+		return runDrain(*api, *pid, *survivorPid, *streams, *rate)
 	}
 	u, err := url.Parse(*api)
 	if err != nil || u.Host == "" || *pid == 0 {
