@@ -232,7 +232,8 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 // a goroutine. The ops port gets the admin routes that need Redis and the jobs
 // client, which exist from here on.
 func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
-	hub := newSSEHub(a.db, a.redis, a.cfg.SSE, a.cfg.Outbox.PollInterval, a.log, a.metrics, a.panicked)
+	hub := newSSEHub(sseHubDeps{db: a.db, redis: a.redis, cfg: a.cfg.SSE, poll: a.cfg.Outbox.PollInterval,
+		log: a.log, metrics: a.metrics, onPanic: a.panicked})
 	if err := hub.Start(ctx); err != nil {
 		return err
 	}

@@ -2,12 +2,10 @@ package main
 
 import (
 	"context"
-	"net/http"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/labstack/echo/v4"
 	"github.com/sirupsen/logrus"
 )
 
@@ -48,14 +46,4 @@ func recordStateChanges(db *pgxpool.Pool, instanceID string, timeout time.Durati
 			log.WithError(err).Warn("recording the state change")
 		}
 	}
-}
-
-// eventsFeature is GET /api/events: every delivered outbox event, streamed
-// (sse.go), resumable with Last-Event-ID on any instance.
-func eventsFeature() feature {
-	return feature{name: "events", routes: []route{
-		{method: http.MethodGet, path: "/api/events", streaming: true, handler: func(d routeDeps) echo.HandlerFunc {
-			return handleEvents(d.sse, d.db, d.cfg.SSE, d.cfg.InstanceID, d.timeouts.request)
-		}},
-	}}
 }

@@ -19,7 +19,8 @@ func TestSSEFeedSharesFramesAndDropsLaggards(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	h := newSSEHub(pool, nil, defaultConfig().SSE, time.Second, newLogger(io.Discard, "json"), newMetrics(), func(string, any) {})
+	h := newSSEHub(sseHubDeps{db: pool, cfg: defaultConfig().SSE, poll: time.Second, log: newLogger(io.Discard, "json"),
+		metrics: newMetrics(), onPanic: func(string, any) {}})
 	open := func() *sseStream {
 		s, _, err := h.open(context.Background(), "127.0.0.1", nil)
 		if err != nil {
