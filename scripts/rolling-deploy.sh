@@ -12,7 +12,7 @@
 #
 #   scripts/rolling-deploy.sh                      # 500 requests/s of GET /api/slow?ms=5, 10s steady, then the roll
 #   RATE=200 STEADY=2s scripts/rolling-deploy.sh   # shorter (what CI runs)
-#   LOAD=orders RATE=1000 scripts/rolling-deploy.sh  # 80 % GET /api/orders/{id}, 20 % POST /api/orders
+#   LOAD=orders RATE=1000 scripts/rolling-deploy.sh  # 80 % GET /api/orders/{id}, 20 % POST /api/orders (the orders demo)
 #   KUMIKO_LINGER=0 scripts/rolling-deploy.sh      # see what the linger buys
 #   KUMIKO_LINGER_QUIET=3s KUMIKO_LINGER=3s scripts/rolling-deploy.sh  # a fixed linger instead of the adaptive one
 #   RATE=0 scripts/rolling-deploy.sh               # no traffic: SIGTERM → exit of an idle instance
@@ -46,6 +46,7 @@ wait_lb 1 UP && wait_lb 2 UP
 lb="http://127.0.0.1:$LB_PORT"
 case $LOAD in
 slow) echo "{\"method\":\"GET\",\"url\":\"$lb/api/slow?ms=5\"}" >"$DIR/targets" ;;
+# demo:begin (the orders demo; scripts/new-service.sh --bare removes this block)
 orders)
   # 40 orders to read, then a round of 4 reads to each write, in vegeta's JSON
   # target format, which rollload reads (a POST body is base64).
@@ -63,6 +64,7 @@ orders)
     fi
   done
   ;;
+# demo:end
 *) echo "LOAD must be slow or orders, not $LOAD" >&2; exit 2 ;;
 esac
 load=("$DIR/rollload" attack -targets="$DIR/targets" -rate="$RATE" -timeout=10s)
