@@ -62,60 +62,6 @@ func (f exitIsLast) Format(e *logrus.Entry) ([]byte, error) {
 	return f.Formatter.Format(e)
 }
 
-// redactHook scrubs every configured secret from every log line, whatever field
-// or error text it hides in: a driver error that echoes a connection string must
-// not leak its password.
-type redactHook struct{ secrets []string }
-
-func (h redactHook) Levels() []logrus.Level { return logrus.AllLevels }
-
-func (h redactHook) Fire(e *logrus.Entry) error {
-	e.Message = h.redact(e.Message)
-	for k, v := range e.Data {
-		switch v := v.(type) {
-		case string:
-			e.Data[k] = h.redact(v)
-		case error:
-			e.Data[k] = h.redact(v.Error())
-		case fmt.Stringer:
-			e.Data[k] = h.redact(v.String())
-		}
-	}
-	return nil
-}
-
-func (h redactHook) redact(s string) string {
-	for _, secret := range h.secrets {
-		if secret != "" {
-			s = strings.ReplaceAll(s, secret, "[redacted]")
-		}
-	}
-	return s
-}
-
-// err is err with every secret scrubbed from its text; errors.Is and As
-// still see the original.
-func (h redactHook) err(err error) error {
-	if err == nil {
-		return nil
-	}
-	if text := h.redact(err.Error()); text != err.Error() {
-		return scrubbedError{text: text, err: err}
-	}
-	return err
-}
-
-type scrubbedError struct {
-	text string
-	err  error
-}
-
-func (e scrubbedError) Error() string { return e.text }
-func (e scrubbedError) Unwrap() error { return e.err }
-
-// ---------------------------------------------------------------------------
-// Metrics
-
 // metrics holds every collector of the process on its own registry (no global
 // default registry: two in-process instances in a test must not collide).
 type metrics struct {
@@ -374,23 +320,6 @@ func setupTracing(ctx context.Context, getenv func(string) string, instanceID, v
 	}
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exporter), sdktrace.WithResource(res))
 	return tracing{provider: "otlp", tracer: tp.Tracer(serviceName), flush: tp.ForceFlush, shutdown: tp.Shutdown}, nil
-}
-
-// redactURL shows an endpoint without its credentials: the userinfo and the
-// query (where tokens also travel) are replaced by a mark. What is not a URL
-// is shown as the mark alone.
-func redactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return redactedMark
-	}
-	if u.User != nil {
-		u.User = url.User("REDACTED")
-	}
-	if u.RawQuery != "" {
-		u.RawQuery = "REDACTED"
-	}
-	return u.String()
 }
 
 // otlpSecrets are the secret parts of the OTLP settings, which the exporter
