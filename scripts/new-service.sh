@@ -17,7 +17,7 @@
 # and removes itself, its test and the README's template section: a service is
 # made from the template once. It prints every file it changed.
 #
-# --bare also removes the orders demo: its files (demo_files below: the
+# --bare also removes the orders demo: its files and folders (demo_files below: the
 # feature, its jobs, search and tests, and the scripts that only measure it),
 # its line in registerFeatures, and the blocks between "demo:begin" and
 # "demo:end" markers elsewhere (its table in the migrations, its feed on the
@@ -100,13 +100,14 @@ perl -0pi -e 's/\n<!-- template:begin -->.*?<!-- template:end -->\n//s' README.m
 demo_files=(
   orders.go orders_jobs.go orders_search.go
   orders_test.go orders_process_test.go orders_bench_test.go input_test.go outbox_process_test.go dashboard_browser_test.go
+  sse_spread_process_test.go
   migrations/000013_orders_public_id.up.sql migrations/000013_orders_public_id.down.sql
-  scripts/bench-orders.sh scripts/refhandler/main.go scripts/bench-sse.sh scripts/sseload/main.go
+  scripts/bench-orders.sh scripts/refhandler scripts/bench-sse.sh scripts/sseload
 )
 if $bare; then
   for f in "${demo_files[@]}"; do
     [ -e "$f" ] || die "--bare: $f is not in this copy (the template changed; update demo_files)"
-    if $in_git; then git rm -q -- "$f"; else rm -f -- "$f"; fi
+    if $in_git; then git rm -rq -- "$f"; else rm -rf -- "$f"; fi
   done
   perl -ni -e 'print unless /^\s*ordersFeature\(cfg\),/' features.go
   grep -q ordersFeature features.go && die "--bare: the ordersFeature line is still in features.go"
