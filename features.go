@@ -45,7 +45,7 @@ func registerFeatures(cfg config) []feature {
 		eventsFeature(),
 		instanceFeature(),
 		drainDemoFeature(cfg.HTTP),
-		ordersFeature(cfg), // the orders demo: delete this line and orders*.go to remove it
+		ordersFeature(cfg), // the orders demo: delete this line and orders*.go to remove it (or new-service.sh --bare)
 	}
 }
 

@@ -98,9 +98,7 @@ perl -0pi -e 's/\n<!-- template:begin -->.*?<!-- template:end -->\n//s' README.m
 
 # 2b. --bare: the orders demo goes.
 demo_files=(
-  orders.go orders_jobs.go orders_search.go
-  orders_test.go orders_process_test.go orders_bench_test.go input_test.go outbox_process_test.go dashboard_browser_test.go
-  sse_spread_process_test.go
+  orders*.go # the feature, its jobs and search, and the tests that need orders to happen
   migrations/000013_orders_public_id.up.sql migrations/000013_orders_public_id.down.sql
   scripts/bench-orders.sh scripts/refhandler scripts/bench-sse.sh scripts/sseload
 )
