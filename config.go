@@ -159,7 +159,7 @@ type configSetting struct {
 	env      string       // environment variable
 	def      string       // the default, written as in the file; parsed by value
 	value    settingValue // parses into the config field, checks its rules, renders it for the log
-	doc      string       // one line for the README and the example file
+	doc      string       // one line for docs/configuration.md and the example file
 	required bool         // loading fails while it is empty
 	old      string       // a former file key, still read with a warning
 }
@@ -301,7 +301,7 @@ func (c *config) settings() []configSetting {
 		{key: "lifecycle.leaderElection.renewInterval", env: "KUMIKO_LEADER_RENEW_INTERVAL", def: "5s", value: durationValue{p: &l.LeaderElection.RenewInterval},
 			doc: "the leader renews its lock this often; at most half the lock TTL", old: "lifecycle.leaderElection.heartbeatIntervalSec"},
 		{key: "lifecycle.heartbeat.interval", env: "KUMIKO_HEARTBEAT_INTERVAL", def: "5s", value: durationValue{p: &l.Heartbeat.Interval},
-			doc: "workers write `heartbeat:<worker>:<instance>` this often", old: "lifecycle.heartbeat.intervalSec"},
+			doc: "workers write `kumiko:heartbeat:<worker>:<instance>` this often", old: "lifecycle.heartbeat.intervalSec"},
 		{key: "lifecycle.heartbeat.ttl", env: "KUMIKO_HEARTBEAT_TTL", def: "10s", value: durationValue{p: &l.Heartbeat.TTL},
 			doc: "a heartbeat older than this is stale: readiness 503", old: "lifecycle.heartbeat.ttlSec"},
 		{key: "lifecycle.readiness.probeTimeout", env: "KUMIKO_READINESS_PROBE_TIMEOUT", def: "1s", value: durationValue{p: &l.Readiness.ProbeTimeout},
@@ -556,4 +556,3 @@ func readConfigFile(getenv func(string) string, readFile func(string) ([]byte, e
 	return name, values, problems
 }
 
-// Setting values.

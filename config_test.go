@@ -660,8 +660,8 @@ func TestDeprecatedKeyIsLogged(t *testing.T) {
 }
 
 // update rewrites the files generated from the settings table instead of
-// checking them: go test -run 'TestConfigReferenceInREADME|TestExampleConfigFile' -update
-var update = flag.Bool("update", false, "rewrite the README's config reference and kumiko.config.example.yaml from the settings table")
+// checking them: go test -run 'TestConfigReferenceInDocs|TestExampleConfigFile' -update .
+var update = flag.Bool("update", false, "rewrite docs/configuration.md's reference and kumiko.config.example.yaml from the settings table")
 
 // checkGenerated compares the part of file between the begin and end lines
 // with want, or rewrites it with -update.
@@ -696,14 +696,15 @@ func checkGenerated(t *testing.T, file, begin, end, want string) {
 		}
 		if g != w {
 			t.Fatalf("%s differs from the settings table at line %d of its generated block:\n got %q\nwant %q\n"+
-				"run: go test -run 'TestConfigReferenceInREADME|TestExampleConfigFile' -update", file, i+1, g, w)
+				"run: go test -run 'TestConfigReferenceInDocs|TestExampleConfigFile' -update .", file, i+1, g, w)
 		}
 	}
 }
 
-// The README's config reference is the settings table, rendered.
-func TestConfigReferenceInREADME(t *testing.T) {
-	checkGenerated(t, "README.md", "<!-- config reference: generated from settings() in config.go -->\n",
+// The configuration reference in docs/ is the settings table, rendered: one
+// row per setting, then the former file keys in a table of their own.
+func TestConfigReferenceInDocs(t *testing.T) {
+	checkGenerated(t, "docs/configuration.md", "<!-- config reference: generated from settings() in config.go -->\n",
 		"<!-- end of config reference -->", configReference())
 }
 
@@ -723,10 +724,11 @@ func configReference() string {
 		}
 		fmt.Fprintf(&b, "| `%s` | `%s` | %s | %s | %s |\n", s.env, s.key, def, s.value.rule(), strings.ReplaceAll(doc, "|", `\|`))
 		if s.old != "" {
-			former = append(former, fmt.Sprintf("`%s` → `%s`", s.old, s.key))
+			former = append(former, fmt.Sprintf("| `%s` | `%s` |\n", s.old, s.key))
 		}
 	}
-	b.WriteString("\nFormer file keys, still read but logged as `deprecated config key` warnings: " + strings.Join(former, ", ") + ".\n")
+	b.WriteString("\n### Former file keys\n\nStill read, each logged as a `deprecated config key` warning naming the key to use instead." +
+		" A new service needs none of them.\n\n| former file key | use instead |\n|---|---|\n" + strings.Join(former, "") + "\n")
 	return b.String()
 }
 

@@ -24,7 +24,7 @@ import (
 type settingValue interface {
 	set(raw string) error
 	logValue() any
-	rule() string // what set accepts, for the README
+	rule() string // what set accepts, for docs/configuration.md
 }
 
 // secretHolder is implemented by the values that can contain secrets.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compose-smoke.sh: runs the real docker-compose.yml with Docker and checks
-# what the README promises of it: `up --wait` gets healthy, HAProxy spreads
+# what docs/operations.md promises of it: `up --wait` gets healthy, HAProxy spreads
 # load over app1 and app2, `docker compose kill -s SIGTERM app1` drains with
 # exit 0 and no failed request through the load balancer, HAProxy starts while
 # app1 is stopped, and a restarted app1 gets traffic again. Then `down -v`.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # k8s-smoke.sh: runs k8s/ as shipped (plus the one dev overlay, k8s/dev/) on a
 # one-node Kubernetes cluster built from source on this machine, and checks
-# what the README's Kubernetes section promises of it:
+# what docs/operations.md's Kubernetes section promises of it:
 #   - the migrate Job completes before the Deployment turns ready;
 #   - `kubectl rollout restart` under load through the Service's ClusterIP
 #     (80 % GET, 20 % POST; one keep-alive pool and one fresh connection per
