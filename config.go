@@ -555,4 +555,3 @@ func readConfigFile(getenv func(string) string, readFile func(string) ([]byte, e
 	}
 	return name, values, problems
 }
-
