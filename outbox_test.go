@@ -48,10 +48,27 @@ func newOutboxFixture(t testing.TB) *outboxFixture {
 
 func (f *outboxFixture) poller(t testing.TB, name string) *outboxPoller {
 	t.Helper()
+	return f.pollerOn(t, name, f.db)
+}
+
+// instance is a poller with a pool of its own, as another instance has.
+func (f *outboxFixture) instance(t testing.TB, name string) *outboxPoller {
+	t.Helper()
+	db, err := pgxpool.New(context.Background(), f.db.Config().ConnString())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(db.Close)
+	return f.pollerOn(t, name, db)
+}
+
+func (f *outboxFixture) pollerOn(t testing.TB, name string, db *pgxpool.Pool) *outboxPoller {
+	t.Helper()
 	m := newMetrics()
 	rd := newReadiness(readyLifecycle(t), m, time.Second, time.Millisecond)
 	beat := newHeartbeats(f.rdb, name, 10*time.Second, time.Second, m, rd).RegisterHeartbeat("outbox", "outboxPoller")
-	p := newOutboxPoller(outboxPollerDeps{db: f.db, redis: f.rdb, cfg: f.cfg, beat: beat, beatEvery: time.Second,
+	p := newOutboxPoller(outboxPollerDeps{db: db, redis: f.rdb, cfg: f.cfg, beat: beat, beatEvery: time.Second,
+		instanceID: name, memberTTL: 10 * time.Second, redisCall: time.Second,
 		insertJobs: f.alsoInTx, log: newLogger(io.Discard, "json"), metrics: m,
 		onPanic: func(_ string, r any) { t.Errorf("poller panicked: %v", r) }})
 	t.Cleanup(func() { p.Stop(context.Background()) })
@@ -130,7 +147,8 @@ func (f *outboxFixture) waitDelivered(t testing.TB, want int, timeout time.Durat
 	deadline := time.Now().Add(timeout)
 	for {
 		var n int
-		f.db.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE delivered_at IS NOT NULL`).Scan(&n)
+		// Delivered as the streams see it: numbered by the sequencer.
+		f.db.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE delivery_seq IS NOT NULL`).Scan(&n)
 		if n == want {
 			return
 		}
