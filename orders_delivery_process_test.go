@@ -274,9 +274,8 @@ func TestProcessPartitionOwnerKilledMidBatch(t *testing.T) {
 				count(*) FILTER (WHERE p % 2 = 0 AND delivered_at IS NULL), count(*) FILTER (WHERE p % 2 = 0),
 				count(*) FILTER (WHERE p % 2 = 1 AND delivered_at IS NULL),
 				count(*) FILTER (WHERE delivered_at IS NOT NULL AND delivery_seq IS NULL)
-			FROM (SELECT *, (hashtext(aggregate_type || '/' || aggregate_id) & 2147483647) % $1 AS p FROM outbox_events
-				WHERE event_type = $2) e`,
-			outboxPartitions, eventOrderCreated).Scan(&aPending, &aTotal, &bPending, &unnumbered)
+			FROM (SELECT *, `+outboxPartitionExpr+` AS p FROM outbox_events WHERE event_type = $1) e`,
+			eventOrderCreated).Scan(&aPending, &aTotal, &bPending, &unnumbered)
 		return
 	}
 	waitFor(t, 10*time.Second, "b to deliver its own share", func() bool {

@@ -249,7 +249,7 @@ func (p *outboxPoller) deliverDue(ctx context.Context, beat <-chan time.Time) {
 			}
 			return
 		}
-		if n < int(p.cfg.BatchSize) {
+		if n == 0 { // a batch may be short of BatchSize with more to come (claimDue)
 			return
 		}
 	}
@@ -304,12 +304,16 @@ func (p *outboxPoller) deliverBatch(ctx context.Context) (int, error) {
 	return len(events), nil
 }
 
-// claimDue locks up to limit due events of the partitions in share, oldest
-// first, with their attempts so far. It first takes the advisory lock of each
-// partition it can: a partition is delivered by one transaction at a time,
-// also while two pollers both think they own it, so an aggregate's next
-// events are claimed only after its previous ones committed. Partitions
-// another transaction holds are left for this time.
+// claimDue locks up to limit due events of the partitions in share, with
+// their attempts so far: the oldest of each partition, oldest first. It first
+// takes the advisory lock of each partition it can: a partition is delivered
+// by one transaction at a time, also while two pollers both think they own
+// it, so an aggregate's next events are claimed only after its previous ones
+// committed. Partitions another transaction holds are left for this time.
+//
+// Each partition's pending events are read from the pending index, a few
+// more than its fair part of the batch; the oldest limit of those are locked.
+// Any prefix of each partition keeps each aggregate in order.
 //
 // The locks are taken in the statement that claims, so the claim's snapshot
 // may predate the commit of the partition's previous holder; FOR UPDATE
@@ -319,15 +323,21 @@ func claimDue(ctx context.Context, tx pgx.Tx, limit uint, share []int32) ([]outb
 	if len(share) == 0 {
 		return nil, nil, nil
 	}
+	perPartition := max(2*((int(limit)+len(share)-1)/len(share)), 16)
 	rows, err := tx.Query(ctx, `WITH locked AS MATERIALIZED (
-			SELECT coalesce(array_agg(p), '{}') AS parts FROM unnest($2::int[]) AS p
-			WHERE pg_try_advisory_xact_lock($3::int, p))
+			SELECT p FROM unnest($2::int[]) AS p WHERE pg_try_advisory_xact_lock($3::int, p))
 		SELECT id, event_type, aggregate_type, aggregate_id, payload, created_at, attempts, coalesce(traceparent, '')
 		FROM outbox_events
-		WHERE delivered_at IS NULL AND dead_at IS NULL AND next_attempt_at <= now()
-			AND (hashtext(aggregate_type || '/' || aggregate_id) & 2147483647) % $4 = ANY ((SELECT parts FROM locked)::int[])
-		ORDER BY id LIMIT $1
-		FOR UPDATE OF outbox_events SKIP LOCKED`, limit, share, outboxPartitionLockClass(), outboxPartitions)
+		WHERE id = ANY (ARRAY(
+				SELECT due.id FROM locked, LATERAL (
+					SELECT id FROM outbox_events
+					WHERE `+outboxPartitionExpr+` = locked.p
+						AND delivered_at IS NULL AND dead_at IS NULL AND next_attempt_at <= now()
+					ORDER BY id LIMIT $4) AS due
+				ORDER BY due.id LIMIT $1))
+			AND delivered_at IS NULL AND dead_at IS NULL
+		ORDER BY id
+		FOR UPDATE SKIP LOCKED`, limit, share, outboxPartitionLockClass(), perPartition)
 	if err != nil {
 		return nil, nil, fmt.Errorf("claiming events: %w", err)
 	}

@@ -19,6 +19,10 @@ import (
 // (docs/delivery.md).
 const outboxPartitions = 32
 
+// outboxPartitionExpr is an event's partition in SQL. Migration 14 indexes
+// it, character for character, with the pending events' ids.
+const outboxPartitionExpr = `((hashtext(aggregate_type || '/' || aggregate_id) & 2147483647) % 32)`
+
 // outboxPartitionLockClass is the first key of the per-partition advisory
 // locks, pg_try_advisory_xact_lock(class, partition), derived from this
 // service's advisory lock: the two-key locks are a keyspace of their own, so
@@ -146,8 +150,9 @@ func (s *outboxShare) current() []int32 {
 // shareOf is the partitions of self among members (self counts even when its
 // own entry is missing: it delivers until it stops); all: every partition.
 func shareOf(self string, members []string, all bool) []int32 {
+	members = slices.Clone(members) // sorted here: the caller's order is its own
 	if !slices.Contains(members, self) {
-		members = append(slices.Clone(members), self)
+		members = append(members, self)
 	}
 	slices.Sort(members)
 	i, n := slices.Index(members, self), len(members)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"io"
 	"maps"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -395,5 +396,51 @@ func TestOutboxBrokenTransactionCountsAsAnAttempt(t *testing.T) {
 	f.db.QueryRow(context.Background(), `SELECT attempts, last_error FROM outbox_events`).Scan(&attempts, &lastErr)
 	if attempts != 1 || lastErr != nil {
 		t.Errorf("delivered after %d attempts (last_error %v), want 1 failed attempt recorded, then cleared", attempts, lastErr)
+	}
+}
+
+// Every partition has exactly one owner among the members, the shares differ
+// by at most one partition, and a poller missing from the list still counts
+// itself (it delivers until it stops).
+func TestOutboxSharesCoverEveryPartitionOnce(t *testing.T) {
+	for _, members := range [][]string{{"a"}, {"b", "a"}, {"c", "a", "b"}, {"d", "b", "a", "c"}} {
+		owners := map[int32][]string{}
+		sizes := map[int]bool{}
+		for _, m := range members {
+			share := shareOf(m, members, false)
+			sizes[len(share)] = true
+			for _, p := range share {
+				owners[p] = append(owners[p], m)
+			}
+		}
+		for p := range int32(outboxPartitions) {
+			if len(owners[p]) != 1 {
+				t.Errorf("members %v: partition %d owned by %v", members, p, owners[p])
+			}
+		}
+		if len(sizes) > 2 {
+			t.Errorf("members %v: share sizes %v", members, sizes)
+		}
+	}
+	if got := shareOf("z", []string{"a"}, false); len(got) != outboxPartitions/2 || got[0] != 1 {
+		t.Errorf("a poller missing from the list: share %v, want the odd partitions", got)
+	}
+	if got := shareOf("z", []string{"a", "b"}, true); len(got) != outboxPartitions {
+		t.Errorf("every partition when the members are unknown: %v", got)
+	}
+}
+
+// The claim's partition expression is the one migration 14 indexes (the
+// planner matches it as text) and cuts outboxPartitions partitions.
+func TestOutboxPartitionExpressionIsIndexed(t *testing.T) {
+	up, err := migrationFiles.ReadFile("migrations/000014_outbox_partitioned_delivery.up.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(up), "("+outboxPartitionExpr+", id)") {
+		t.Errorf("migration 14 does not index %s", outboxPartitionExpr)
+	}
+	if !strings.HasSuffix(outboxPartitionExpr, "% "+strconv.Itoa(outboxPartitions)+")") {
+		t.Errorf("%s does not cut %d partitions", outboxPartitionExpr, outboxPartitions)
 	}
 }
