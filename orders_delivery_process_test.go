@@ -129,26 +129,45 @@ func TestProcessPartitionedDeliveryUnderKills(t *testing.T) {
 	for _, p := range live {
 		p.waitReady()
 	}
-	total := mustWriteOrderEvents(t, pool, 60, 100)
+	// The writer keeps about five rounds ahead of the numbering, so every
+	// kill below lands while the instances have a backlog in hand.
+	const aggregates, rounds = 60, 100
+	total := aggregates * rounds
+	written := make(chan error, 1)
+	go func() {
+		for r := range rounds {
+			for n, _ := countNumbered(pool); n < (r-5)*aggregates; n, _ = countNumbered(pool) {
+				time.Sleep(5 * time.Millisecond)
+			}
+			if _, err := writeOrderEvents(pool, aggregates, 1); err != nil {
+				written <- err
+				return
+			}
+		}
+		written <- nil
+	}()
 
 	const kills = 4
 	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 24))
 	var seen []string
 	for k := range kills {
-		// Each kill lands after another share of the backlog went out.
 		waitFor(t, 60*time.Second, fmt.Sprintf("delivery to go on before kill %d", k+1), func() bool {
 			n, _ := countNumbered(pool)
 			return n >= total*(k+1)/(kills+2)
 		})
 		ids := slices.Sorted(maps.Keys(live))
 		victim := ids[rng.IntN(len(ids))]
-		n, _ := countNumbered(pool)
-		seen = append(seen, fmt.Sprintf("kill %s at %d/%d", victim, n, total))
+		var numbered, pending int
+		pool.QueryRow(context.Background(), `SELECT count(delivery_seq), count(*) FILTER (WHERE delivered_at IS NULL) FROM outbox_events`).Scan(&numbered, &pending)
+		seen = append(seen, fmt.Sprintf("kill %s at %d numbered, %d pending", victim, numbered, pending))
 		live[victim].cmd.Process.Kill()
 		live[victim].wait(5 * time.Second)
 		delete(live, victim)
 		id := fmt.Sprint("r", k)
 		live[id] = startInstance(t, env, id) // not waited for: the next kill may come while it boots
+	}
+	if err := <-written; err != nil {
+		t.Fatal(err)
 	}
 	deadline := time.Now().Add(60 * time.Second)
 	for n, _ := countNumbered(pool); n < total; n, _ = countNumbered(pool) {
