@@ -186,7 +186,8 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 
 	beat := a.heartbeats.RegisterHeartbeat("outbox", "outboxPoller")
 	poller := newOutboxPoller(outboxPollerDeps{db: a.db, redis: a.redis, cfg: a.cfg.Outbox, beat: beat,
-		beatEvery: a.cfg.Lifecycle.Heartbeat.Interval, insertJobs: j.insertForEvents, log: a.log, metrics: a.metrics, onPanic: a.panicked})
+		beatEvery: a.cfg.Lifecycle.Heartbeat.Interval, instanceID: a.cfg.InstanceID,
+		memberTTL: a.cfg.Lifecycle.Heartbeat.TTL, redisCall: a.timeouts.backgroundCall, insertJobs: j.insertForEvents, log: a.log, metrics: a.metrics, onPanic: a.panicked})
 	if err := a.retry(ctx, p, "outboxPoller", 3, poller.Start); err != nil {
 		return err
 	}

@@ -67,35 +67,36 @@ func (f exitIsLast) Format(e *logrus.Entry) ([]byte, error) {
 type metrics struct {
 	registry *prometheus.Registry
 
-	state             *prometheus.GaugeVec
-	stateChanges      *prometheus.CounterVec
-	phaseDuration     *prometheus.GaugeVec
-	startupDuration   prometheus.Gauge
-	shutdownStep      *prometheus.GaugeVec
-	shutdownForced    prometheus.Counter
-	httpInFlight      prometheus.Gauge
-	httpRequests      *prometheus.CounterVec
-	httpDuration      *prometheus.HistogramVec
-	readinessOK       *prometheus.GaugeVec
-	readinessProbes   *prometheus.CounterVec
-	panics            *prometheus.CounterVec
-	connectAttempts   *prometheus.CounterVec
-	heartbeatWritten  *prometheus.CounterVec
-	outboxPending     prometheus.Gauge
-	outboxDelivered   prometheus.Counter
-	outboxFailed      prometheus.Counter
-	outboxDead        prometheus.Counter
-	outboxWakeFailed  prometheus.Counter
-	outboxLatency     prometheus.Histogram
-	sseStreams        prometheus.Gauge
-	sseDropped        prometheus.Counter
-	sseSendLag        prometheus.Histogram
-	leader            prometheus.Gauge
-	leaderTransitions prometheus.Counter
-	leaderFenced      prometheus.Gauge
-	leaderFencedTotal prometheus.Counter
-	jobs              *prometheus.CounterVec
-	jobDuration       *prometheus.HistogramVec
+	state                *prometheus.GaugeVec
+	stateChanges         *prometheus.CounterVec
+	phaseDuration        *prometheus.GaugeVec
+	startupDuration      prometheus.Gauge
+	shutdownStep         *prometheus.GaugeVec
+	shutdownForced       prometheus.Counter
+	httpInFlight         prometheus.Gauge
+	httpRequests         *prometheus.CounterVec
+	httpDuration         *prometheus.HistogramVec
+	readinessOK          *prometheus.GaugeVec
+	readinessProbes      *prometheus.CounterVec
+	panics               *prometheus.CounterVec
+	connectAttempts      *prometheus.CounterVec
+	heartbeatWritten     *prometheus.CounterVec
+	outboxPending        prometheus.Gauge
+	outboxDelivered      prometheus.Counter
+	outboxFailed         prometheus.Counter
+	outboxDead           prometheus.Counter
+	outboxWakeFailed     prometheus.Counter
+	outboxSequenceFailed prometheus.Counter
+	outboxLatency        prometheus.Histogram
+	sseStreams           prometheus.Gauge
+	sseDropped           prometheus.Counter
+	sseSendLag           prometheus.Histogram
+	leader               prometheus.Gauge
+	leaderTransitions    prometheus.Counter
+	leaderFenced         prometheus.Gauge
+	leaderFencedTotal    prometheus.Counter
+	jobs                 *prometheus.CounterVec
+	jobDuration          *prometheus.HistogramVec
 }
 
 func newMetrics() *metrics {
@@ -159,6 +160,9 @@ func newMetrics() *metrics {
 		outboxWakeFailed: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "outbox_wake_failed_total", Help: "Redis wake-ups of the SSE hubs that failed (delivery is unaffected; hubs poll Postgres).",
 		}),
+		outboxSequenceFailed: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "outbox_sequencer_failed_total", Help: "Sequencer steps that failed (their events are numbered by a later step).",
+		}),
 		outboxLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Namespace: metricNamespace, Name: "outbox_delivery_latency_seconds", Help: "From writing an event to its delivery.",
 			Buckets: []float64{.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 5, 30},
@@ -199,7 +203,7 @@ func newMetrics() *metrics {
 		m.state, m.stateChanges, m.phaseDuration, m.startupDuration, m.shutdownStep, m.shutdownForced,
 		m.httpInFlight, m.httpRequests, m.httpDuration, m.readinessOK, m.readinessProbes, m.panics,
 		m.connectAttempts, m.heartbeatWritten,
-		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxWakeFailed, m.outboxLatency,
+		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxWakeFailed, m.outboxSequenceFailed, m.outboxLatency,
 		m.sseStreams, m.sseDropped, m.sseSendLag, m.leader, m.leaderTransitions, m.leaderFenced, m.leaderFencedTotal, m.jobs, m.jobDuration,
 	)
 	m.initKnownLabels()

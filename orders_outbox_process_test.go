@@ -109,6 +109,8 @@ func TestProcessCrashedPollerBatchIsRedelivered(t *testing.T) {
 	env := fastEnv(t)
 	env["MEILI_URL"] = newMeiliDouble(t, "available").srv.URL // order.created → indexOrder
 	env["KUMIKO_INSTANCE_ID"] = "crashy"
+	// The survivor takes crashy's share once crashy's entry among the pollers expires.
+	env["KUMIKO_HEARTBEAT_TTL"], env["KUMIKO_HEARTBEAT_INTERVAL"] = "1s", "250ms"
 	crashy := startProc(t, env)
 	_, api := crashy.waitReady()
 	pool := sharedPool(t, env)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"io"
 	"maps"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -48,10 +49,27 @@ func newOutboxFixture(t testing.TB) *outboxFixture {
 
 func (f *outboxFixture) poller(t testing.TB, name string) *outboxPoller {
 	t.Helper()
+	return f.pollerOn(t, name, f.db)
+}
+
+// instance is a poller with a pool of its own, as another instance has.
+func (f *outboxFixture) instance(t testing.TB, name string) *outboxPoller {
+	t.Helper()
+	db, err := pgxpool.New(context.Background(), f.db.Config().ConnString())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(db.Close)
+	return f.pollerOn(t, name, db)
+}
+
+func (f *outboxFixture) pollerOn(t testing.TB, name string, db *pgxpool.Pool) *outboxPoller {
+	t.Helper()
 	m := newMetrics()
 	rd := newReadiness(readyLifecycle(t), m, time.Second, time.Millisecond)
 	beat := newHeartbeats(f.rdb, name, 10*time.Second, time.Second, m, rd).RegisterHeartbeat("outbox", "outboxPoller")
-	p := newOutboxPoller(outboxPollerDeps{db: f.db, redis: f.rdb, cfg: f.cfg, beat: beat, beatEvery: time.Second,
+	p := newOutboxPoller(outboxPollerDeps{db: db, redis: f.rdb, cfg: f.cfg, beat: beat, beatEvery: time.Second,
+		instanceID: name, memberTTL: 10 * time.Second, redisCall: time.Second,
 		insertJobs: f.alsoInTx, log: newLogger(io.Discard, "json"), metrics: m,
 		onPanic: func(_ string, r any) { t.Errorf("poller panicked: %v", r) }})
 	t.Cleanup(func() { p.Stop(context.Background()) })
@@ -130,7 +148,8 @@ func (f *outboxFixture) waitDelivered(t testing.TB, want int, timeout time.Durat
 	deadline := time.Now().Add(timeout)
 	for {
 		var n int
-		f.db.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE delivered_at IS NOT NULL`).Scan(&n)
+		// Delivered as the streams see it: numbered by the sequencer.
+		f.db.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE delivery_seq IS NOT NULL`).Scan(&n)
 		if n == want {
 			return
 		}
@@ -377,5 +396,51 @@ func TestOutboxBrokenTransactionCountsAsAnAttempt(t *testing.T) {
 	f.db.QueryRow(context.Background(), `SELECT attempts, last_error FROM outbox_events`).Scan(&attempts, &lastErr)
 	if attempts != 1 || lastErr != nil {
 		t.Errorf("delivered after %d attempts (last_error %v), want 1 failed attempt recorded, then cleared", attempts, lastErr)
+	}
+}
+
+// Every partition has exactly one owner among the members, the shares differ
+// by at most one partition, and a poller missing from the list still counts
+// itself (it delivers until it stops).
+func TestOutboxSharesCoverEveryPartitionOnce(t *testing.T) {
+	for _, members := range [][]string{{"a"}, {"b", "a"}, {"c", "a", "b"}, {"d", "b", "a", "c"}} {
+		owners := map[int32][]string{}
+		sizes := map[int]bool{}
+		for _, m := range members {
+			share := shareOf(m, members, false)
+			sizes[len(share)] = true
+			for _, p := range share {
+				owners[p] = append(owners[p], m)
+			}
+		}
+		for p := range int32(outboxPartitions) {
+			if len(owners[p]) != 1 {
+				t.Errorf("members %v: partition %d owned by %v", members, p, owners[p])
+			}
+		}
+		if len(sizes) > 2 {
+			t.Errorf("members %v: share sizes %v", members, sizes)
+		}
+	}
+	if got := shareOf("z", []string{"a"}, false); len(got) != outboxPartitions/2 || got[0] != 1 {
+		t.Errorf("a poller missing from the list: share %v, want the odd partitions", got)
+	}
+	if got := shareOf("z", []string{"a", "b"}, true); len(got) != outboxPartitions {
+		t.Errorf("every partition when the members are unknown: %v", got)
+	}
+}
+
+// The claim's partition expression is the one migration 14 indexes (the
+// planner matches it as text) and cuts outboxPartitions partitions.
+func TestOutboxPartitionExpressionIsIndexed(t *testing.T) {
+	up, err := migrationFiles.ReadFile("migrations/000014_outbox_partitioned_delivery.up.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(up), "("+outboxPartitionExpr+", id)") {
+		t.Errorf("migration 14 does not index %s", outboxPartitionExpr)
+	}
+	if !strings.HasSuffix(outboxPartitionExpr, "% "+strconv.Itoa(outboxPartitions)+")") {
+		t.Errorf("%s does not cut %d partitions", outboxPartitionExpr, outboxPartitions)
 	}
 }

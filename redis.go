@@ -13,14 +13,16 @@ import (
 // under redisKeyPrefix, so two services sharing one Redis never share a lock,
 // a heartbeat, an idempotency marker or an event channel.
 const (
-	eventsChannel        = redisKeyPrefix + "events"              // pub/sub: every delivered event, for every instance's stream hub
-	leaderKey            = redisKeyPrefix + "leader"              // value: "<instanceId>:<fencing token>"
-	leaderTokenKey       = redisKeyPrefix + "leader:fencing"      // INCR on every acquisition
-	leaderReleased       = redisKeyPrefix + "leader:released"     // pub/sub: the leader stepped down, try now
-	heartbeatKeyPrefix   = redisKeyPrefix + "heartbeat:"          // + <worker>:<instanceId>
-	idempotencyKeyPrefix = redisKeyPrefix + "idempotency:"        // + the client's Idempotency-Key
-	statusKeyPrefix      = redisKeyPrefix + "dashboard:instance:" // + <instanceId>: the dashboard's record of one instance
-	statusIndexKey       = redisKeyPrefix + "dashboard:instances" // sorted set: instance id by record expiry (unix ms)
+	eventsChannel          = redisKeyPrefix + "events"              // pub/sub: every delivered event, for every instance's stream hub
+	leaderKey              = redisKeyPrefix + "leader"              // value: "<instanceId>:<fencing token>"
+	leaderTokenKey         = redisKeyPrefix + "leader:fencing"      // INCR on every acquisition
+	leaderReleased         = redisKeyPrefix + "leader:released"     // pub/sub: the leader stepped down, try now
+	heartbeatKeyPrefix     = redisKeyPrefix + "heartbeat:"          // + <worker>:<instanceId>
+	outboxPollersKey       = redisKeyPrefix + "outbox:pollers"      // sorted set: live outbox pollers by entry expiry (unix ms)
+	outboxRebalanceChannel = redisKeyPrefix + "outbox:rebalance"    // pub/sub: a poller joined or left, take your new share
+	idempotencyKeyPrefix   = redisKeyPrefix + "idempotency:"        // + the client's Idempotency-Key
+	statusKeyPrefix        = redisKeyPrefix + "dashboard:instance:" // + <instanceId>: the dashboard's record of one instance
+	statusIndexKey         = redisKeyPrefix + "dashboard:instances" // sorted set: instance id by record expiry (unix ms)
 )
 
 // compareAndDelete deletes KEYS[1] only while it still holds ARGV[1]: the

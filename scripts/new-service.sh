@@ -87,6 +87,9 @@ perl -0pi -e '
   s/\("kumiko" in\n(\s*\/\/) ASCII\)\. /(derived from\n${1} the service name). / or die "advisoryLockKey comment not found\n";
   s/(advisoryLockKey\s*=\s*)0x[0-9a-f]+/${1}'"$lock"'/ or die "advisoryLockKey not found\n";
 ' app.go
+# The outbox's down migration takes the same lock, in decimal.
+perl -pi -e 's/\b118152090970991\b/'"$((lock))"'/ and $found = 1; END { exit !$found }' \
+  migrations/000014_outbox_partitioned_delivery.down.sql || die "the delivery lock in migration 14's down file not found"
 
 # 2. The template's own machinery goes: a service is made from it once.
 remove=("$self" newservice_test.go)
