@@ -17,6 +17,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
@@ -24,10 +25,12 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 func BenchmarkOutboxThroughput(b *testing.B) {
@@ -40,20 +43,103 @@ func BenchmarkOutboxThroughput(b *testing.B) {
 				f.writeEvents(b, min(1000, b.N-written))
 			}
 			b.ResetTimer()
-			start := time.Now()
+			start, busy0, own0, pg0 := time.Now(), boxBusy(b), ownCPU(b), postgresCPU(b, f.db)
 			for i := range pollers {
 				if err := f.instance(b, fmt.Sprint("p", i)).Start(context.Background()); err != nil {
 					b.Fatal(err)
 				}
 			}
 			f.waitDelivered(b, b.N, 5*time.Minute)
-			elapsed := time.Since(start)
+			elapsed, busy, own, pg := time.Since(start), boxBusy(b)-busy0, ownCPU(b)-own0, postgresCPU(b, f.db)-pg0
 			b.StopTimer()
 			b.ReportMetric(float64(b.N)/elapsed.Seconds(), "events/s")
+			// The box's CPU over the run, Postgres included: when the cores
+			// are full, more pollers can only share them.
+			b.ReportMetric(busy.Seconds()/elapsed.Seconds(), "box-cores-busy")
+			b.ReportMetric(float64(busy.Microseconds())/float64(b.N), "box-cpu-µs/event")
+			b.ReportMetric(float64(own.Microseconds())/float64(b.N), "pollers-cpu-µs/event")
+			b.ReportMetric(float64(pg.Microseconds())/float64(b.N), "postgres-cpu-µs/event")
 			b.ReportMetric(pgbenchTPS(b, f.db.Config().ConnString(), 1), "pgbench-N-c1-tps")
 			b.ReportMetric(pgbenchTPS(b, f.db.Config().ConnString(), 2), "pgbench-N-c2-tps")
 		})
 	}
+}
+
+// boxBusy is the CPU time the whole machine has spent busy so far (every
+// process, every core), from /proc/stat.
+func boxBusy(b *testing.B) time.Duration {
+	b.Helper()
+	stat, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		b.Skipf("no /proc/stat: %v", err)
+	}
+	line, _, _ := strings.Cut(string(stat), "\n")
+	fields := strings.Fields(line) // cpu user nice system idle iowait irq softirq steal ...
+	var ticks int64
+	for i, f := range fields[1:] {
+		if i == 3 || i == 4 { // idle, iowait
+			continue
+		}
+		if i >= 8 { // guest time is already in user
+			break
+		}
+		n, _ := strconv.ParseInt(f, 10, 64)
+		ticks += n
+	}
+	return time.Duration(ticks) * time.Second / 100 // USER_HZ is 100 on Linux
+}
+
+// ownCPU is the CPU time this process (the pollers) has used so far.
+func ownCPU(b *testing.B) time.Duration {
+	b.Helper()
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// postgresCPU is the CPU time the PostgreSQL server behind db has used so
+// far: the postmaster with the children it reaped, and its live children.
+// Unlike the box's figure, other work on the machine does not count.
+func postgresCPU(b *testing.B, db *pgxpool.Pool) time.Duration {
+	b.Helper()
+	var backend int
+	if err := db.QueryRow(context.Background(), `SELECT pg_backend_pid()`).Scan(&backend); err != nil {
+		b.Fatal(err)
+	}
+	stat := func(pid int) []string { // the fields after the command's closing parenthesis
+		raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return nil
+		}
+		_, rest, _ := strings.Cut(string(raw), ") ")
+		return strings.Fields(rest)
+	}
+	ticks := func(fields []string, from, to int) (n int64) { // stat fields from..to, 1-based as in proc(5)
+		for i := from; i <= to; i++ {
+			v, _ := strconv.ParseInt(fields[i-3], 10, 64)
+			n += v
+		}
+		return n
+	}
+	self := stat(backend)
+	if self == nil {
+		b.Skip("PostgreSQL runs on another machine: its CPU cannot be read")
+	}
+	postmaster, _ := strconv.Atoi(self[1])
+	total := ticks(stat(postmaster), 14, 17) // utime, stime, cutime, cstime
+	procs, _ := os.ReadDir("/proc")
+	for _, p := range procs {
+		pid, err := strconv.Atoi(p.Name())
+		if err != nil {
+			continue
+		}
+		if f := stat(pid); f != nil && f[1] == strconv.Itoa(postmaster) {
+			total += ticks(f, 14, 15)
+		}
+	}
+	return time.Duration(total) * time.Second / 100 // USER_HZ
 }
 
 // pgbenchTPS runs pgbench -N (TPC-B without the contended updates: one small
