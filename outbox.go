@@ -26,7 +26,7 @@ const (
 	// A sequencer step that finds the delivery lock taken tries again after
 	// sequencerRetryBase, doubling up to sequencerRetryMax.
 	sequencerRetryBase = time.Millisecond
-	sequencerRetryMax  = 20 * time.Millisecond
+	sequencerRetryMax  = 10 * time.Millisecond
 )
 
 // outboxEvent is one event as delivered: its outbox id (the id SSE clients

@@ -1,13 +1,14 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"io"
 	"maps"
+	"slices"
 	"strconv"
 	"strings"
-	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -25,6 +26,8 @@ type outboxFixture struct {
 	cfg   outboxConfig
 	// alsoInTx stands in for the jobs insert of the delivery transaction.
 	alsoInTx func(context.Context, pgx.Tx, []outboxEvent) error
+	// beatEvery is the pollers' heartbeat interval (1 s unless set).
+	beatEvery time.Duration
 }
 
 func newOutboxFixture(t testing.TB) *outboxFixture {
@@ -56,7 +59,13 @@ func (f *outboxFixture) poller(t testing.TB, name string) *outboxPoller {
 // instance is a poller with a pool of its own, as another instance has.
 func (f *outboxFixture) instance(t testing.TB, name string) *outboxPoller {
 	t.Helper()
-	db, err := pgxpool.New(context.Background(), f.db.Config().ConnString())
+	return f.instanceAt(t, name, f.db.Config().ConnString())
+}
+
+// instanceAt is an instance that reaches Postgres at conn (a proxy, say).
+func (f *outboxFixture) instanceAt(t testing.TB, name, conn string) *outboxPoller {
+	t.Helper()
+	db, err := pgxpool.New(context.Background(), conn)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -69,7 +78,7 @@ func (f *outboxFixture) pollerOn(t testing.TB, name string, db *pgxpool.Pool) *o
 	m := newMetrics()
 	rd := newReadiness(readyLifecycle(t), m, time.Second, time.Millisecond)
 	beat := newHeartbeats(f.rdb, name, 10*time.Second, time.Second, m, rd).RegisterHeartbeat("outbox", "outboxPoller")
-	p := newOutboxPoller(outboxPollerDeps{db: db, redis: f.rdb, cfg: f.cfg, beat: beat, beatEvery: time.Second,
+	p := newOutboxPoller(outboxPollerDeps{db: db, redis: f.rdb, cfg: f.cfg, beat: beat, beatEvery: cmp.Or(f.beatEvery, time.Second),
 		instanceID: name, memberTTL: 10 * time.Second, redisCall: time.Second,
 		insertJobs: f.alsoInTx, log: newLogger(io.Discard, "json"), metrics: m,
 		onPanic: func(_ string, r any) { t.Errorf("poller panicked: %v", r) }})
