@@ -561,7 +561,7 @@ func (p *outboxPoller) sequenceDelivered(ctx context.Context) {
 
 // sequenceStep is the sequencer: it gives up to limit delivered, unnumbered
 // events their delivery_seq, oldest id first, and returns how many and the
-// newest. The step holds the delivery lock from its first number until its
+// newest (whole: it is what the wake-up on Redis carries). The step holds the delivery lock from its first number until its
 // commit, so steps (and the deliveries of binaries from before partitioned
 // delivery, which number under the same lock) commit in number order: a
 // reader that sees number N sees every number below N that will ever exist.
@@ -582,23 +582,24 @@ func (p *outboxPoller) sequenceDelivered(ctx context.Context) {
 // partition's holder at a time, keep that order in the stream.
 func sequenceStep(ctx context.Context, db *pgxpool.Pool, limit int) (n int, newest outboxEvent, locked bool, err error) {
 	b := &pgx.Batch{}
-	b.Queue(`SELECT set_config('kumiko.sequencer_locked', pg_try_advisory_xact_lock($1)::text, true)::bool`, outboxDeliveryLock).
+	b.Queue(`SELECT set_config('outbox.sequencer_locked', pg_try_advisory_xact_lock($1)::text, true)::bool`, outboxDeliveryLock).
 		QueryRow(func(row pgx.Row) error { return row.Scan(&locked) })
 	b.Queue(`WITH numbered AS (
 			UPDATE outbox_events o SET delivery_seq = n.seq
 			FROM (SELECT id, nextval('outbox_delivery_seq') AS seq
 				FROM unnest(ARRAY(SELECT id FROM outbox_events
 						WHERE delivered_at IS NOT NULL AND delivery_seq IS NULL
-							AND (SELECT current_setting('kumiko.sequencer_locked')::bool)
+							AND (SELECT current_setting('outbox.sequencer_locked')::bool)
 						ORDER BY id LIMIT $1))
 					WITH ORDINALITY AS t(id, n)
 				ORDER BY n) n
 			WHERE o.id = n.id
-			RETURNING o.id, o.delivery_seq)
-		SELECT count(*), coalesce(max(delivery_seq), 0),
-			coalesce((SELECT id FROM numbered ORDER BY delivery_seq DESC LIMIT 1), 0)
-		FROM numbered`, limit).QueryRow(func(row pgx.Row) error {
-		return row.Scan(&n, &newest.Seq, &newest.ID)
+			RETURNING o.id, o.delivery_seq, o.event_type, o.aggregate_type, o.aggregate_id, o.payload, o.created_at)
+		SELECT (SELECT count(*) FROM numbered), coalesce(newest.id, 0), coalesce(newest.delivery_seq, 0),
+			coalesce(newest.event_type, ''), coalesce(newest.aggregate_type, ''), coalesce(newest.aggregate_id, ''),
+			coalesce(newest.payload, 'null'), coalesce(newest.created_at, now())
+		FROM (SELECT 1) one LEFT JOIN LATERAL (SELECT * FROM numbered ORDER BY delivery_seq DESC LIMIT 1) newest ON true`, limit).QueryRow(func(row pgx.Row) error {
+		return row.Scan(&n, &newest.ID, &newest.Seq, &newest.Type, &newest.AggregateType, &newest.AggregateID, &newest.Payload, &newest.CreatedAt)
 	})
 	if err := db.SendBatch(ctx, b).Close(); err != nil {
 		return 0, outboxEvent{}, false, fmt.Errorf("numbering delivered events: %w", err)
