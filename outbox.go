@@ -528,11 +528,13 @@ func (p *outboxPoller) runSequencer(ctx context.Context) {
 // and wakes the hubs with the newest. When another instance's step holds the
 // delivery lock, it tries again shortly: that step may have taken its
 // snapshot before this poller's delivery committed, so only a step that
-// starts after it is sure to number it. A failed step is logged; its events
-// are numbered by the next step, on this instance's next delivery or poll or
-// another's.
+// starts after it is sure to number it. It tries for one poll interval at
+// most (a step takes milliseconds; a stop must not wait on a stuck lock
+// holder), then leaves the events to the step of the next poll. A failed
+// step is logged; its events are numbered by the next step, on this
+// instance's next delivery or poll or another's.
 func (p *outboxPoller) sequenceDelivered(ctx context.Context) {
-	busy := sequencerRetryBase
+	busy, giveUp := sequencerRetryBase, time.Now().Add(p.cfg.PollInterval)
 	for {
 		n, newest, locked, err := sequenceStep(ctx, p.db, sequencerBatch)
 		if err != nil {
@@ -543,13 +545,17 @@ func (p *outboxPoller) sequenceDelivered(ctx context.Context) {
 			return
 		}
 		if !locked {
+			if time.Now().After(giveUp) {
+				p.log.WithField("waited", p.cfg.PollInterval.String()).Warn("the delivery lock stayed taken; the next poll's step numbers the delivered events")
+				return
+			}
 			if sleepCtx(ctx, busy) != nil {
 				return
 			}
 			busy = min(2*busy, sequencerRetryMax)
 			continue
 		}
-		busy = sequencerRetryBase
+		busy, giveUp = sequencerRetryBase, time.Now().Add(p.cfg.PollInterval)
 		if n > 0 {
 			p.wakeHubs(newest)
 		}

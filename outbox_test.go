@@ -468,8 +468,8 @@ func TestOutboxPartitionExpressionIsIndexed(t *testing.T) {
 
 // A sequencer step that finds the delivery lock taken numbers nothing and
 // waits outside Postgres: a step queued inside Postgres would hold a snapshot
-// all the while, and every delivered row's cleanup with it. Once the lock is
-// free, the retrying sequencer numbers what was delivered.
+// all the while, and every delivered row's cleanup with it. The sequencer
+// retries until the lock is free, for one poll interval at most.
 func TestOutboxSequencerStepsAsideWhileTheLockIsTaken(t *testing.T) {
 	ctx := context.Background()
 	f := newOutboxFixture(t)
@@ -496,12 +496,32 @@ func TestOutboxSequencerStepsAsideWhileTheLockIsTaken(t *testing.T) {
 		t.Fatalf("%d sessions wait for a lock in Postgres after the step returned", waiting)
 	}
 
-	p := f.poller(t, "a")
-	done := make(chan struct{})
-	go func() { defer close(done); p.sequenceDelivered(ctx) }()
+	sequence := func(p *outboxPoller) <-chan struct{} {
+		done := make(chan struct{})
+		go func() { defer close(done); p.sequenceDelivered(ctx) }()
+		return done
+	}
+	// A lock that stays taken: the sequencer gives up after a poll interval
+	// and leaves the events to the next poll's step.
+	f.cfg.PollInterval = 100 * time.Millisecond
+	select {
+	case <-sequence(f.poller(t, "short")):
+	case <-time.After(10 * time.Second):
+		t.Fatal("the sequencer still waits for the lock 10s on, with a 100ms poll interval")
+	}
+	var numbered int
+	f.db.QueryRow(ctx, `SELECT count(*) FROM outbox_events WHERE delivery_seq IS NOT NULL`).Scan(&numbered)
+	if numbered != 0 {
+		t.Fatalf("%d events numbered while another step held the lock", numbered)
+	}
+
+	// A lock that is freed within the poll interval: the retrying sequencer
+	// numbers the events.
+	f.cfg.PollInterval = time.Minute
+	done := sequence(f.poller(t, "long"))
 	select {
 	case <-done:
-		t.Fatal("the sequencer returned while the lock was taken; the delivered events would wait for the next poll")
+		t.Fatal("the sequencer returned while the lock was taken, within its poll interval")
 	case <-time.After(50 * time.Millisecond): // it retries meanwhile; any point is fine to release
 	}
 	holder.Rollback(ctx)
