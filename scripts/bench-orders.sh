@@ -9,8 +9,9 @@
 # processes' CPU), then with fsync on (what a durable commit adds). fsync is a
 # reload-time setting, so both modes share one cluster. For each mode it
 # prints orders/s, p50/p99, the process's CPU time per order (for the
-# service: the request and the delivery of the orders it took), the outbox
-# backlog when the load stopped, and the ratios against the goals.
+# service: the request and the delivery of the orders it took) and
+# PostgreSQL's over the same span, the outbox backlog when the load stopped,
+# and the ratios against the goals.
 #
 #   scripts/bench-orders.sh                         # 32 workers, 10 s each, both modes
 #   WORKERS=8 DURATION=5s scripts/bench-orders.sh
@@ -36,6 +37,16 @@ start_services
 go build -o "$DIR/refhandler" ./scripts/refhandler
 sql() { psql -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -qAtc "$1"; }
 cpu_seconds() { awk -v hz="$(getconf CLK_TCK)" '{ printf "%.3f", ($14 + $15) / hz }' "/proc/$1/stat"; }
+# pg_cpu_seconds: PostgreSQL's CPU so far, every process of the cluster: the
+# live ones, and the backends that have exited (the postmaster's children time).
+pg_cpu_seconds() {
+  local pm
+  pm=$(head -1 "$DIR/pg/postmaster.pid")
+  awk -v hz="$(getconf CLK_TCK)" -v pm="$pm" '
+    FNR == 1 { sub(/^.*\) /, ""); if ($2 == pm) t += $12 + $13 }  # a child: utime, stime (fields 14, 15)
+    FNR == 1 && FILENAME == "/proc/" pm "/stat" { t += $12 + $13 + $14 + $15 }
+    END { printf "%.3f", t / hz }' /proc/[0-9]*/stat 2>/dev/null
+}
 pending() { sql "SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL AND dead_at IS NULL"; }
 echo '{"customer":"Ada Lovelace","items":[{"sku":"tea","qty":2,"priceCents":250},{"sku":"cake","qty":1,"priceCents":400}]}' >"$DIR/order.json"
 cat >"$DIR/order.sql" <<'SQL'
@@ -96,8 +107,8 @@ measure() {
     pprof cpu.pb.gz "profile?seconds=$((${DURATION%s} - 1))" &
     profiler=$!
   fi
-  local cpu0 cpu1 backlog left
-  cpu0=$(cpu_seconds "$app")
+  local cpu0 cpu1 pg0 pg1 backlog left
+  cpu0=$(cpu_seconds "$app") pg0=$(pg_cpu_seconds)
   attack "$API_PORT1" "service-$mode"
   if [ -n "$prof" ]; then
     wait "$profiler"
@@ -106,18 +117,18 @@ measure() {
   fi
   backlog=$(pending)
   for _ in $(seq 1 600); do [ "$(pending)" = 0 ] && break; sleep 0.1; done
-  cpu1=$(cpu_seconds "$app")
+  cpu1=$(cpu_seconds "$app") pg1=$(pg_cpu_seconds)
   left=$(pending)
   stop_apps >/dev/null
   settle
 
   # 2. The reference handler.
   DATABASE_URL="$DATABASE_URL" ADDR="127.0.0.1:$REF_PORT" setsid "$DIR/refhandler" &
-  local ref=$! rcpu0 rcpu1
+  local ref=$! rcpu0 rcpu1 rpg0 rpg1
   until curl -s -o /dev/null "http://127.0.0.1:$REF_PORT/"; do sleep 0.05; done
-  rcpu0=$(cpu_seconds "$ref")
+  rcpu0=$(cpu_seconds "$ref") rpg0=$(pg_cpu_seconds)
   attack "$REF_PORT" "reference-$mode"
-  rcpu1=$(cpu_seconds "$ref")
+  rcpu1=$(cpu_seconds "$ref") rpg1=$(pg_cpu_seconds)
   kill -TERM "$ref" && wait "$ref" || true
   settle
 
@@ -127,25 +138,26 @@ measure() {
     awk '/^tps/ { print int($3); exit }')
   settle
 
-  local svc refn svc_rate ref_rate svc_cpu ref_cpu
+  local svc refn svc_rate ref_rate svc_cpu ref_cpu per
   svc=$(created "service-$mode") refn=$(created "reference-$mode")
   svc_rate=$(awk "BEGIN { printf \"%d\", ${svc:-0} / ${DURATION%s} }")
   ref_rate=$(awk "BEGIN { printf \"%d\", ${refn:-0} / ${DURATION%s} }")
   svc_cpu=$(awk "BEGIN { printf \"%.0f\", ($cpu1 - $cpu0) * 1e6 / (${svc:-0} > 0 ? ${svc:-0} : 1) }")
   ref_cpu=$(awk "BEGIN { printf \"%.0f\", ($rcpu1 - $rcpu0) * 1e6 / (${refn:-0} > 0 ? ${refn:-0} : 1) }")
-  line() { # NAME RATE REPORT CPU_US ORDERS
+  per() { awk "BEGIN { printf \"%.0f\", ($2 - $1) * 1e6 / (${3:-0} > 0 ? ${3:-0} : 1) }"; } # per START END ORDERS: µs
+  line() { # NAME RATE REPORT CPU_US ORDERS PG_US
     local total
     total=$(grep -o '"requests":[0-9]*' "$DIR/$3.json" | cut -d: -f2)
-    awk -v n="$1" -v r="$2" -v p50="$(field "$3" 50th)" -v p99="$(field "$3" 99th)" -v cpu="$4" -v o="$5" -v t="$total" 'BEGIN {
-      printf "  %-10s %6d orders/s   p50 %6.2f ms   p99 %6.2f ms   CPU %5d µs/order   not 201: %d\n",
-        n, r, p50 / 1e6, p99 / 1e6, cpu, t - o }'
+    awk -v n="$1" -v r="$2" -v p50="$(field "$3" 50th)" -v p99="$(field "$3" 99th)" -v cpu="$4" -v o="$5" -v t="$total" -v pg="$6" 'BEGIN {
+      printf "  %-10s %6d orders/s   p50 %6.2f ms   p99 %6.2f ms   CPU %5d µs/order (PostgreSQL %4d)   not 201: %d\n",
+        n, r, p50 / 1e6, p99 / 1e6, cpu, pg, t - o }'
   }
   local goal=0.75
   [ "$mode" = on ] && goal=0.9
   echo
   echo "fsync=$mode: POST /api/orders, $WORKERS workers, $DURATION each, $(nproc) cores"
-  line service "$svc_rate" "service-$mode" "$svc_cpu" "${svc:-0}"
-  line reference "$ref_rate" "reference-$mode" "$ref_cpu" "${refn:-0}"
+  line service "$svc_rate" "service-$mode" "$svc_cpu" "${svc:-0}" "$(per "$pg0" "$pg1" "$svc")"
+  line reference "$ref_rate" "reference-$mode" "$ref_cpu" "${refn:-0}" "$(per "$rpg0" "$rpg1" "$refn")"
   printf '  %-10s %6d tps (the same insert as a transaction)\n' pgbench "${tps:-0}"
   printf '  outbox     %d events pending when the load stopped, %d after waiting for delivery\n' "$backlog" "$left"
   awk -v s="$svc_rate" -v r="$ref_rate" -v p="${tps:-0}" -v sc="$svc_cpu" -v rc="$ref_cpu" -v g="$goal" 'BEGIN {
