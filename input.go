@@ -15,9 +15,6 @@ import (
 	"strings"
 	"unicode"
 	"unicode/utf8"
-
-	"github.com/jackc/pgerrcode"
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // keyProblem walks the object keys of a JSON body and names the first one
@@ -257,11 +254,6 @@ func textProblem(s string) string {
 // spaces and joiners only is empty to whoever reads it.
 func visible(s string) bool {
 	return strings.IndexFunc(s, func(r rune) bool { return unicode.IsGraphic(r) && !unicode.IsSpace(r) }) >= 0
-}
-
-func isUniqueViolation(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UniqueViolation
 }
 
 func printableASCII(s string) bool {
