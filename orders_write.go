@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -33,12 +34,13 @@ var errOrderConflict = errors.New("the order's public id or Idempotency-Key is t
 // Nothing waits for company: a request that finds a statement slot free
 // writes its order at once, alone, so an idle service answers as fast as
 // before. Only while maxInFlight statements are running do requests gather
-// in the next batch; the request that opened it runs it as soon as a slot
-// frees. Every order is still atomic with its event (one statement), and
-// each request gets its own answer: its row, errOrderConflict, or the
-// statement's error, which retrySafe treats as before. No goroutine of its
-// own: each statement runs on the goroutine of the request that leads it,
-// which the drain counts as in flight like any other.
+// in the next batch; when a slot frees, one of them runs it. Every order is
+// still atomic with its event (one statement), and each request gets its own
+// answer: its row, errOrderConflict, or the statement's error, which
+// retrySafe treats as before. A request whose budget ends while it waits
+// leaves at once and its order is not written. No goroutine of its own: each
+// statement runs on the goroutine of a request of its batch, which the drain
+// counts as in flight like any other.
 type orderWriter struct {
 	db          *pgxpool.Pool
 	maxInFlight int
@@ -51,8 +53,11 @@ type orderWriter struct {
 // orderBatch is the orders of one statement.
 type orderBatch struct {
 	rows  []*orderRow
-	start chan struct{} // closed when a slot is this batch's: its leader runs it
+	start chan struct{} // closed when a slot is this batch's
 	done  chan struct{} // closed once every row has its outcome
+	// Under orderWriter.mu:
+	running bool // one of the batch's requests took the statement on
+	waiting int  // the batch's requests that have not left
 }
 
 // orderRow is one request's order in a batch, and its outcome.
@@ -87,42 +92,78 @@ func (w *orderWriter) create(ctx context.Context, publicID uuid.UUID, req newOrd
 		key: key, hash: hash, traceparent: traceparentOf(ctx),
 		payload: string(appendOrderCreated(make([]byte, 0, 128), publicID, o.TotalCents, len(o.Items)))}
 
-	b, leads := w.join(row)
-	if leads {
-		<-b.start // bounded: the statement ahead of it has a deadline
-		w.run(b)
-	} else {
-		select {
-		case <-b.done:
-		case <-ctx.Done():
-			return order{}, fmt.Errorf("creating the order: %w", ctx.Err())
+	answer := func() (order, error) {
+		if row.err != nil {
+			return order{}, row.err
 		}
+		o.ID, o.CreatedAt = row.id, row.createdAt.UTC()
+		return o, nil
 	}
-	if row.err != nil {
-		return order{}, row.err
+	b := w.join(row)
+	select {
+	case <-b.start:
+		if ctx.Err() == nil && w.takeOn(b) {
+			w.run(b)
+			return answer()
+		}
+	case <-b.done:
+		return answer()
+	case <-ctx.Done():
 	}
-	o.ID, o.CreatedAt = row.id, row.createdAt.UTC()
-	return o, nil
+	select { // another request of the batch runs it
+	case <-b.done:
+		return answer()
+	case <-ctx.Done():
+		w.leave(b)
+		return order{}, fmt.Errorf("creating the order: %w", ctx.Err())
+	}
 }
 
-// join puts row in a batch and says whether this request leads it: runs it.
-func (w *orderWriter) join(row *orderRow) (*orderBatch, bool) {
+// join puts row in a batch: one that can run at once, the last waiting one,
+// or a new one.
+func (w *orderWriter) join(row *orderRow) *orderBatch {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if len(w.waiting) == 0 && w.inFlight < w.maxInFlight {
-		w.inFlight++
-		b := &orderBatch{rows: []*orderRow{row}, start: make(chan struct{}), done: make(chan struct{})}
-		close(b.start)
-		return b, true
-	}
 	if n := len(w.waiting); n > 0 && len(w.waiting[n-1].rows) < maxOrderBatch {
 		b := w.waiting[n-1]
 		b.rows = append(b.rows, row)
-		return b, false
+		b.waiting++
+		return b
 	}
-	b := &orderBatch{rows: []*orderRow{row}, start: make(chan struct{}), done: make(chan struct{})}
-	w.waiting = append(w.waiting, b)
-	return b, true
+	b := &orderBatch{rows: []*orderRow{row}, start: make(chan struct{}), done: make(chan struct{}), waiting: 1}
+	if len(w.waiting) == 0 && w.inFlight < w.maxInFlight {
+		w.inFlight++
+		close(b.start)
+	} else {
+		w.waiting = append(w.waiting, b)
+	}
+	return b
+}
+
+// takeOn says whether this request runs b's statement: the first to ask does.
+func (w *orderWriter) takeOn(b *orderBatch) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if b.running {
+		return false
+	}
+	b.running = true
+	return true
+}
+
+// leave takes a request that gave up out of b. The last one to leave a batch
+// nobody runs takes it out of the queue, or passes its slot on.
+func (w *orderWriter) leave(b *orderBatch) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if b.waiting--; b.waiting > 0 || b.running {
+		return
+	}
+	if i := slices.Index(w.waiting, b); i >= 0 {
+		w.waiting = slices.Delete(w.waiting, i, i+1)
+		return
+	}
+	w.handOverLocked() // the slot was b's
 }
 
 // run writes b's rows, hands the slot to the next batch and tells every row.
@@ -145,8 +186,8 @@ func (w *orderWriter) run(b *orderBatch) {
 		return
 	}
 	// The statement is the whole batch's: no single request's cancellation
-	// stops it, and it may run until the last of their budgets ends. Each
-	// follower stops waiting at its own (create).
+	// stops it, and it may run until the last of their budgets ends. Every
+	// other request stops waiting at its own (create).
 	ctx := context.WithoutCancel(live[0].ctx)
 	if !deadline.IsZero() {
 		var cancel context.CancelFunc
@@ -165,6 +206,10 @@ func (w *orderWriter) run(b *orderBatch) {
 func (w *orderWriter) handOver() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	w.handOverLocked()
+}
+
+func (w *orderWriter) handOverLocked() {
 	if len(w.waiting) == 0 {
 		w.inFlight--
 		return

@@ -199,3 +199,98 @@ func TestOrderWriterConflictsAndGivenUpRequestsInABatch(t *testing.T) {
 		t.Fatalf("%d events written, want %d: one per written order", got-events, 3)
 	}
 }
+
+// A request that gives up while its batch waits leaves at once, whether it
+// opened the batch or not; the batch still runs for the others, and a batch
+// everyone left gives its turn away.
+func TestOrderWriterRequestsThatGiveUpLeaveAtOnce(t *testing.T) {
+	s := startInProcess(t, fastEnv(t))
+	w := &orderWriter{db: s.app.db, maxInFlight: 1}
+	ctx := context.Background()
+	release := holdOrders(t, s)
+
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { // holds the slot until release
+		defer wg.Done()
+		if _, err := w.create(ctx, uuid.Must(uuid.NewV7()), testOrder, "", ""); err != nil {
+			t.Error(err)
+		}
+	}()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		w.mu.Lock()
+		running := w.inFlight
+		w.mu.Unlock()
+		if running == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the first order did not start its statement")
+		}
+	}
+	opener, giveUp := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer giveUp()
+	var openerErr, stayerErr error
+	var openerTook time.Duration
+	stayer := uuid.Must(uuid.NewV7())
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		start := time.Now()
+		_, openerErr = w.create(opener, uuid.Must(uuid.NewV7()), testOrder, "", "")
+		openerTook = time.Since(start)
+	}()
+	waitForWaiting(t, w, 1)
+	go func() {
+		defer wg.Done()
+		_, stayerErr = w.create(ctx, stayer, testOrder, "", "")
+	}()
+	waitForWaiting(t, w, 2)
+	<-opener.Done()
+	time.Sleep(500 * time.Millisecond) // the statement ahead still holds the slot
+	release()
+	wg.Wait()
+	if !errors.Is(openerErr, context.DeadlineExceeded) || openerTook > 400*time.Millisecond {
+		t.Fatalf("the batch's opener gave up: %v after %s, want its deadline at once", openerErr, openerTook)
+	}
+	if stayerErr != nil || countRows(t, s, "orders WHERE public_id = '"+stayer.String()+"'") != 1 {
+		t.Fatalf("the request that stayed: %v", stayerErr)
+	}
+
+	// A batch everyone left: the next request still gets a slot.
+	release = holdOrders(t, s)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if _, err := w.create(ctx, uuid.Must(uuid.NewV7()), testOrder, "", ""); err != nil {
+			t.Error(err)
+		}
+	}()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		w.mu.Lock()
+		running := w.inFlight
+		w.mu.Unlock()
+		if running == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the order did not start its statement")
+		}
+	}
+	gone, cancel := context.WithCancel(ctx)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if _, err := w.create(gone, uuid.Must(uuid.NewV7()), testOrder, "", ""); !errors.Is(err, context.Canceled) {
+			t.Errorf("a request that gave up: %v", err)
+		}
+	}()
+	waitForWaiting(t, w, 1)
+	cancel()
+	waitForWaiting(t, w, 0)
+	release()
+	wg.Wait()
+	if _, err := w.create(ctx, uuid.Must(uuid.NewV7()), testOrder, "", ""); err != nil || w.inFlight != 0 || len(w.waiting) != 0 {
+		t.Fatalf("after the batches: %v, %d running, %d waiting", err, w.inFlight, len(w.waiting))
+	}
+}
