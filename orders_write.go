@@ -14,8 +14,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// maxOrderBatch bounds the orders one statement writes: a batch waits for at
-// most one statement ahead of it, so this also bounds how long it fills.
+// maxOrderBatch bounds the orders one statement writes (its arrays, its
+// time in PostgreSQL); a full batch is followed by a new one.
 const maxOrderBatch = 64
 
 // errOrderConflict is an order the statement did not insert because a unique
