@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"net/http"
 	"strconv"
 	"strings"
@@ -29,6 +30,29 @@ func FuzzParseLastEventID(f *testing.F) {
 			if he, ok := err.(*echo.HTTPError); !ok || he.Code != http.StatusBadRequest {
 				t.Fatalf("parseLastEventID(%q) = %v, want a 400", s, err)
 			}
+		}
+	})
+}
+
+// FuzzKeyProblem: the byte walk that keyProblem takes for valid JSON names
+// the same first problem as the token walk it replaces on the request path.
+func FuzzKeyProblem(f *testing.F) {
+	for _, seed := range []string{
+		`{"customer":"Ada","items":[{"sku":"t","qty":1,"priceCents":1}]}`,
+		`{"customer":"Ada","customer":"Bob"}`, `{"items":[{"qty":1,"qty":9}]}`, `{"CUSTOMER":1}`, `{"ſku":1}`,
+		`{"cust\u006fmer":1,"customer":2}`, `{"a":"customer","customer":"\"customer\"","customer":3}`,
+		`[{"sku":1},{"sku":2}]`, `{"x":{"sku":1},"sku":2,"y":[{"sku":3,"SKU":4}]}`, `"customer"`, `{}`, `[]`,
+		`{"customer":"Ada","customer":1} trailing`, `{"customer":1,`,
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		if !json.Valid(raw) {
+			return // keyProblem takes the token walk itself
+		}
+		names := []string{"customer", "items", "sku", "qty", "priceCents"}
+		if got, want := scanKeys(raw, names), keyProblemByTokens(raw, names); got != want {
+			t.Fatalf("%q: byte walk %q, token walk %q", raw, got, want)
 		}
 	})
 }

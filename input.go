@@ -15,9 +15,6 @@ import (
 	"strings"
 	"unicode"
 	"unicode/utf8"
-
-	"github.com/jackc/pgerrcode"
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // keyProblem walks the object keys of a JSON body and names the first one
@@ -27,7 +24,97 @@ import (
 // ignored ("CUSTOMER", "Customer", even "ſku" with a long s), which
 // encoding/json accepts although DisallowUnknownFields is set. A body that is
 // not JSON is left to the decoder, which names the syntax error.
+//
+// It runs on every order, so a body that is one valid JSON value (every
+// well-formed request) is walked byte by byte without allocating
+// (scanKeys); any other body takes the token walk (keyProblemByTokens),
+// which reports what lies before the syntax error exactly as before.
 func keyProblem(raw []byte, names []string) string {
+	if len(names) <= 64 && json.Valid(raw) {
+		return scanKeys(raw, names)
+	}
+	return keyProblemByTokens(raw, names)
+}
+
+// scanKeys is keyProblem for raw known to be one valid JSON value: it only
+// has to tell keys from the other strings. Keys it has to compare are used as
+// they are in the body unless they hold an escape; those are unquoted first,
+// as encoding/json would.
+func scanKeys(raw []byte, names []string) string {
+	type object struct {
+		seen     uint64 // bit i: names[i] was a key of this object
+		isObject bool
+		awaitKey bool
+	}
+	var buf [8]object
+	stack := buf[:0]
+	for i := 0; i < len(raw); i++ {
+		switch c := raw[i]; c {
+		case '{', '[':
+			stack = append(stack, object{isObject: c == '{', awaitKey: c == '{'})
+		case '}', ']':
+			stack = stack[:len(stack)-1]
+			if len(stack) == 0 {
+				return ""
+			}
+		case ',':
+			if top := &stack[len(stack)-1]; top.isObject {
+				top.awaitKey = true
+			}
+		case '"':
+			end := i + 1
+			escaped := false
+			for raw[end] != '"' {
+				if raw[end] == '\\' {
+					escaped = true
+					end++
+				}
+				end++
+			}
+			quoted := raw[i : end+1]
+			i = end
+			if len(stack) == 0 || !stack[len(stack)-1].awaitKey {
+				continue // a value
+			}
+			top := &stack[len(stack)-1]
+			top.awaitKey = false
+			key := quoted[1 : len(quoted)-1]
+			if escaped {
+				var s string
+				_ = json.Unmarshal(quoted, &s) // valid: json.Valid said so
+				key = []byte(s)
+			}
+			if problem := checkKey(key, names, &top.seen); problem != "" {
+				return problem
+			}
+		}
+	}
+	return ""
+}
+
+// checkKey marks key seen among names in one object, or says what is wrong
+// with it: given twice, or a name only when case is ignored.
+func checkKey(key []byte, names []string, seen *uint64) string {
+	for i, n := range names {
+		if string(key) == n {
+			if *seen&(1<<i) != 0 {
+				return fmt.Sprintf("duplicate field %s", quoteKey(string(key)))
+			}
+			*seen |= 1 << i
+			return ""
+		}
+	}
+	for _, n := range names {
+		if bytes.EqualFold(key, []byte(n)) {
+			return fmt.Sprintf("unknown field %s: field names are case-sensitive, this one is %q", quoteKey(string(key)), n)
+		}
+	}
+	return ""
+}
+
+// keyProblemByTokens is keyProblem by encoding/json's token stream: slower,
+// but it stops at a syntax error exactly where the decoder would.
+func keyProblemByTokens(raw []byte, names []string) string {
 	type object struct {
 		seen     map[string]bool
 		awaitKey bool
@@ -167,11 +254,6 @@ func textProblem(s string) string {
 // spaces and joiners only is empty to whoever reads it.
 func visible(s string) bool {
 	return strings.IndexFunc(s, func(r rune) bool { return unicode.IsGraphic(r) && !unicode.IsSpace(r) }) >= 0
-}
-
-func isUniqueViolation(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UniqueViolation
 }
 
 func printableASCII(s string) bool {

@@ -11,8 +11,9 @@ if [ -n "$unformatted" ]; then
   echo "gofmt would change: $unformatted" >&2
   exit 1
 fi
-# A few seconds of fuzzing on the parsers of client input: the order decoder
-# and the Last-Event-ID parser. A failing input is written to testdata/fuzz/,
+# A few seconds of fuzzing on the parsers of client input (the order decoder,
+# the key check, the Last-Event-ID parser) and on the order answer's encoder.
+# A failing input is written to testdata/fuzz/,
 # where every later plain go test replays it.
 for target in $(go test -list '^Fuzz' . | grep '^Fuzz'); do
   go test -run '^$' -fuzz "^${target}\$" -fuzztime "${KUMIKO_FUZZTIME:-10s}" .

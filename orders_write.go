@@ -1,0 +1,283 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// maxOrderBatch bounds the orders one statement writes (its arrays, its
+// time in PostgreSQL); a full batch is followed by a new one.
+const maxOrderBatch = 64
+
+// errOrderConflict is an order the statement did not insert because a unique
+// index already holds its public id or its Idempotency-Key: what a unique
+// violation says on a statement of its own, and handled the same way.
+var errOrderConflict = errors.New("the order's public id or Idempotency-Key is taken")
+
+// orderWriter writes orders, each with its order.created outbox event, in
+// one statement per group of requests: group commit, done by the service.
+// Under load most of an order's cost in PostgreSQL is per statement and per
+// commit, not per row — the commit's WAL flush, the outbox trigger's NOTIFY
+// (which every notifying commit takes a cluster-wide lock for), the wake-up
+// of each delivering instance it causes and the round trip — so requests
+// that arrive together share one.
+//
+// Nothing waits for company: a request that finds a statement slot free
+// writes its order at once, alone, so an idle service answers as fast as
+// before. Only while maxInFlight statements are running do requests gather
+// in the next batch; when a slot frees, one of them runs it. Every order is
+// still atomic with its event (one statement), and each request gets its own
+// answer: its row, errOrderConflict, or the statement's error, which
+// retrySafe treats as before. A request whose budget ends while it waits
+// leaves at once and its order is not written. No goroutine of its own: each
+// statement runs on the goroutine of a request of its batch, which the drain
+// counts as in flight like any other.
+type orderWriter struct {
+	db          *pgxpool.Pool
+	maxInFlight int
+
+	mu       sync.Mutex
+	inFlight int           // statements running
+	waiting  []*orderBatch // batches filling, in the order they will run
+}
+
+// orderBatch is the orders of one statement.
+type orderBatch struct {
+	rows  []*orderRow
+	start chan struct{} // closed when a slot is this batch's
+	done  chan struct{} // closed once every row has its outcome
+	// Under orderWriter.mu:
+	running bool // one of the batch's requests took the statement on
+	waiting int  // the batch's requests that have not left
+}
+
+// orderRow is one request's order in a batch, and its outcome.
+type orderRow struct {
+	ctx         context.Context // the request's: a row whose request gave up before the statement is left out
+	publicID    uuid.UUID
+	customer    string
+	items       string // JSON
+	totalCents  int64
+	key, hash   string // "" without an Idempotency-Key
+	payload     string // order.created without createdAt (appendOrderCreated)
+	traceparent string
+
+	id        int64
+	createdAt time.Time
+	err       error
+}
+
+// newOrderWriter lets half the pool's connections write orders at once: the
+// others stay for delivery, streams and reads.
+func newOrderWriter(db *pgxpool.Pool) *orderWriter {
+	return &orderWriter{db: db, maxInFlight: max(1, int(db.Config().MaxConns)/2)}
+}
+
+// create writes the order req with publicID atomically with its
+// order.created event and returns it as stored. A public id or key that is
+// taken is errOrderConflict.
+func (w *orderWriter) create(ctx context.Context, publicID uuid.UUID, req newOrder, key, hash string) (order, error) {
+	o := order{PublicID: publicID, Customer: req.Customer, Items: req.Items, TotalCents: req.total()}
+	items, _ := json.Marshal(req.Items) // strings and ints always encode
+	row := &orderRow{ctx: ctx, publicID: publicID, customer: o.Customer, items: string(items), totalCents: o.TotalCents,
+		key: key, hash: hash, traceparent: traceparentOf(ctx),
+		payload: string(appendOrderCreated(make([]byte, 0, 128), publicID, o.TotalCents, len(o.Items)))}
+
+	answer := func() (order, error) {
+		if row.err != nil {
+			return order{}, row.err
+		}
+		o.ID, o.CreatedAt = row.id, row.createdAt.UTC()
+		return o, nil
+	}
+	b := w.join(row)
+	select {
+	case <-b.start:
+		if ctx.Err() == nil && w.takeOn(b) {
+			w.run(b)
+			return answer()
+		}
+	case <-b.done:
+		return answer()
+	case <-ctx.Done():
+	}
+	select { // another request of the batch runs it
+	case <-b.done:
+		return answer()
+	case <-ctx.Done():
+		w.leave(b)
+		return order{}, fmt.Errorf("creating the order: %w", ctx.Err())
+	}
+}
+
+// join puts row in a batch: one that can run at once, the last waiting one,
+// or a new one.
+func (w *orderWriter) join(row *orderRow) *orderBatch {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if n := len(w.waiting); n > 0 && len(w.waiting[n-1].rows) < maxOrderBatch {
+		b := w.waiting[n-1]
+		b.rows = append(b.rows, row)
+		b.waiting++
+		return b
+	}
+	b := &orderBatch{rows: []*orderRow{row}, start: make(chan struct{}), done: make(chan struct{}), waiting: 1}
+	if len(w.waiting) == 0 && w.inFlight < w.maxInFlight {
+		w.inFlight++
+		close(b.start)
+	} else {
+		w.waiting = append(w.waiting, b)
+	}
+	return b
+}
+
+// takeOn says whether this request runs b's statement: the first to ask does.
+func (w *orderWriter) takeOn(b *orderBatch) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if b.running {
+		return false
+	}
+	b.running = true
+	return true
+}
+
+// leave takes a request that gave up out of b. The last one to leave a batch
+// nobody runs takes it out of the queue, or passes its slot on.
+func (w *orderWriter) leave(b *orderBatch) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if b.waiting--; b.waiting > 0 || b.running {
+		return
+	}
+	if i := slices.Index(w.waiting, b); i >= 0 {
+		w.waiting = slices.Delete(w.waiting, i, i+1)
+		return
+	}
+	w.handOverLocked() // the slot was b's
+}
+
+// run writes b's rows, hands the slot to the next batch and tells every row.
+func (w *orderWriter) run(b *orderBatch) {
+	defer close(b.done)
+	defer w.handOver()
+	var live []*orderRow
+	var deadline time.Time
+	for _, r := range b.rows {
+		if r.ctx.Err() != nil {
+			r.err = fmt.Errorf("creating the order: %w", r.ctx.Err())
+			continue
+		}
+		live = append(live, r)
+		if d, ok := r.ctx.Deadline(); ok && d.After(deadline) {
+			deadline = d
+		}
+	}
+	if len(live) == 0 {
+		return
+	}
+	// The statement is the whole batch's: no single request's cancellation
+	// stops it, and it may run until the last of their budgets ends. Every
+	// other request stops waiting at its own (create).
+	ctx := context.WithoutCancel(live[0].ctx)
+	if !deadline.IsZero() {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, deadline)
+		defer cancel()
+	}
+	if err := w.write(ctx, live); err != nil {
+		for _, r := range live {
+			r.err = err
+		}
+	}
+}
+
+// handOver gives the slot of a finished statement to the oldest waiting
+// batch, or frees it.
+func (w *orderWriter) handOver() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.handOverLocked()
+}
+
+func (w *orderWriter) handOverLocked() {
+	if len(w.waiting) == 0 {
+		w.inFlight--
+		return
+	}
+	next := w.waiting[0]
+	w.waiting[0] = nil
+	w.waiting = w.waiting[1:]
+	close(next.start)
+}
+
+// insertOrdersAndEvents writes a batch of orders and their order.created
+// events in one statement: atomic like a transaction, one round trip and one
+// commit for the batch. A row whose public id or Idempotency-Key is taken is
+// skipped (ON CONFLICT DO NOTHING, so the others still commit) and has no
+// event; its request finds out by its absence from the result. Events are
+// numbered in order id order. Each payload's createdAt is its order's
+// created_at, rendered as encoding/json renders a UTC time.Time (RFC 3339,
+// fraction without trailing zeros).
+var insertOrdersAndEvents = `WITH o AS (
+	INSERT INTO orders (public_id, customer, items, total_cents, idempotency_key, request_hash)
+	SELECT r.public_id, r.customer, r.items::jsonb, r.total_cents, NULLIF(r.key, ''), NULLIF(r.hash, '')
+	FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::text[]) WITH ORDINALITY
+		AS r(public_id, customer, items, total_cents, key, hash, n)
+	ORDER BY r.n
+	ON CONFLICT DO NOTHING
+	RETURNING id, public_id, created_at, created_at AT TIME ZONE 'UTC' AS utc
+), e AS (
+	INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, traceparent)
+	SELECT 'order', o.id::text, $7, p.payload::jsonb || jsonb_build_object('createdAt', ` + sqlJSONTime("o.utc") + `), NULLIF(p.traceparent, '')
+	FROM o JOIN unnest($1::uuid[], $8::text[], $9::text[]) AS p(public_id, payload, traceparent) ON p.public_id = o.public_id
+	ORDER BY o.id
+)
+SELECT id, public_id, created_at FROM o`
+
+// write runs insertOrdersAndEvents for rows and gives each its outcome; an
+// error is the statement's, for every row.
+func (w *orderWriter) write(ctx context.Context, rows []*orderRow) error {
+	n := len(rows)
+	ids, customers, items, totals := make([]pgtype.UUID, n), make([]string, n), make([]string, n), make([]int64, n)
+	keys, hashes, payloads, traceparents := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	byID := make(map[uuid.UUID]*orderRow, n)
+	for i, r := range rows {
+		// pgtype.UUID is sent in binary; uuid.UUID would go through driver.Valuer and a string.
+		ids[i] = pgtype.UUID{Bytes: r.publicID, Valid: true}
+		customers[i], items[i], totals[i] = r.customer, r.items, r.totalCents
+		keys[i], hashes[i], payloads[i], traceparents[i] = r.key, r.hash, r.payload, r.traceparent
+		byID[r.publicID] = r
+		r.err = errOrderConflict // until the statement returns its row
+	}
+	res, err := w.db.Query(ctx, insertOrdersAndEvents, ids, customers, items, totals, keys, hashes,
+		eventOrderCreated, payloads, traceparents)
+	if err != nil {
+		return fmt.Errorf("creating the orders: %w", err)
+	}
+	defer res.Close()
+	for res.Next() {
+		var id int64
+		var publicID pgtype.UUID
+		var createdAt time.Time
+		if err := res.Scan(&id, &publicID, &createdAt); err != nil {
+			return fmt.Errorf("reading the created orders: %w", err)
+		}
+		if r := byID[publicID.Bytes]; r != nil {
+			r.id, r.createdAt, r.err = id, createdAt, nil
+		}
+	}
+	if err := res.Err(); err != nil {
+		return fmt.Errorf("creating the orders: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,296 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// testOrder is an order body as decodeOrder would return it.
+var testOrder = newOrder{Customer: "Ada", Items: []orderItem{{SKU: "tea", Qty: 2, PriceCents: 250}, {SKU: "cake", Qty: 1, PriceCents: 400}}}
+
+// waitForWaiting waits until w's waiting batches hold n orders.
+func waitForWaiting(t *testing.T, w *orderWriter, n int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		w.mu.Lock()
+		got := 0
+		for _, b := range w.waiting {
+			got += len(b.rows)
+		}
+		w.mu.Unlock()
+		if got == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d orders waiting, want %d", got, n)
+		}
+	}
+}
+
+// countOrderEvents counts the order.created events (the instance writes
+// events of its own, such as its state changes).
+func countOrderEvents(t *testing.T, s *inProcess) int {
+	t.Helper()
+	var n int
+	if err := s.app.db.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE event_type = $1`, eventOrderCreated).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// holdOrders blocks every insert into orders until the returned func is called.
+func holdOrders(t *testing.T, s *inProcess) (release func()) {
+	t.Helper()
+	tx, err := s.app.db.Begin(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(context.Background(), `LOCK TABLE orders IN SHARE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	return func() { tx.Rollback(context.Background()) }
+}
+
+// Orders that arrive while a statement runs share the next one, and each
+// still gets its own row, its own event with its own trace, and its answer.
+func TestOrderWriterSharesAStatement(t *testing.T) {
+	s := startInProcess(t, fastEnv(t))
+	w := &orderWriter{db: s.app.db, maxInFlight: 1}
+	ctx := context.Background()
+	release := holdOrders(t, s)
+
+	const n = 10
+	type result struct {
+		o           order
+		traceparent string
+		err         error
+	}
+	results := make([]result, n+1)
+	var wg sync.WaitGroup
+	create := func(i int) {
+		defer wg.Done()
+		tp := fmt.Sprintf("00-%032x-%016x-01", i+1, i+1)
+		o, err := w.create(withTraceparent(ctx, tp), uuid.Must(uuid.NewV7()), testOrder, "", "")
+		results[i] = result{o, tp, err}
+	}
+	wg.Add(1)
+	go create(0) // the first writes at once, and waits for the lock
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		w.mu.Lock()
+		running := w.inFlight
+		w.mu.Unlock()
+		if running == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the first order did not start its statement")
+		}
+	}
+	for i := 1; i <= n; i++ {
+		wg.Add(1)
+		go create(i)
+	}
+	waitForWaiting(t, w, n)
+	release()
+	wg.Wait()
+
+	batchTime := results[1].o.CreatedAt
+	for i, r := range results {
+		if r.err != nil {
+			t.Fatalf("order %d: %v", i, r.err)
+		}
+		// now() is the statement's transaction time: one statement, one time.
+		if i > 0 && !r.o.CreatedAt.Equal(batchTime) {
+			t.Errorf("order %d created at %s, the batch at %s: not one statement", i, r.o.CreatedAt, batchTime)
+		}
+		var id int64
+		var traceparent, payloadID, payloadCreated string
+		err := s.app.db.QueryRow(ctx, `SELECT o.id, coalesce(e.traceparent, ''), e.payload->>'id', e.payload->>'createdAt'
+			FROM orders o JOIN outbox_events e ON e.aggregate_type = 'order' AND e.aggregate_id = o.id::text
+			WHERE o.public_id = $1`, r.o.PublicID).Scan(&id, &traceparent, &payloadID, &payloadCreated)
+		if err != nil || id != r.o.ID || traceparent != r.traceparent || payloadID != r.o.PublicID.String() ||
+			payloadCreated != r.o.CreatedAt.Format(time.RFC3339Nano) {
+			t.Errorf("order %d (%d, %s): stored %d, event traceparent %q (want %q), payload id %s createdAt %s (%v)",
+				i, r.o.ID, r.o.CreatedAt.Format(time.RFC3339Nano), id, traceparent, r.traceparent, payloadID, payloadCreated, err)
+		}
+	}
+	if w.inFlight != 0 || len(w.waiting) != 0 {
+		t.Fatalf("after the batches: %d running, %d waiting", w.inFlight, len(w.waiting))
+	}
+}
+
+// In one statement, an order whose Idempotency-Key or public id is taken
+// (also by another order of the same statement) is errOrderConflict and
+// writes no event; the others commit. An order whose request gave up while
+// it waited is not written at all.
+func TestOrderWriterConflictsAndGivenUpRequestsInABatch(t *testing.T) {
+	s := startInProcess(t, fastEnv(t))
+	w := &orderWriter{db: s.app.db, maxInFlight: 1}
+	ctx := context.Background()
+	taken := uuid.Must(uuid.NewV7())
+	if _, err := w.create(ctx, taken, testOrder, "", ""); err != nil {
+		t.Fatal(err)
+	}
+	events := countOrderEvents(t, s)
+	release := holdOrders(t, s)
+
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { // holds the slot until release
+		defer wg.Done()
+		if _, err := w.create(ctx, uuid.Must(uuid.NewV7()), testOrder, "", ""); err != nil {
+			t.Error(err)
+		}
+	}()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		w.mu.Lock()
+		running := w.inFlight
+		w.mu.Unlock()
+		if running == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the first order did not start its statement")
+		}
+	}
+	gaveUp, giveUp := context.WithCancel(ctx)
+	cases := []struct {
+		ctx      context.Context
+		publicID uuid.UUID
+		key      string
+		want     error
+	}{
+		{ctx, uuid.Must(uuid.NewV7()), "k1", nil},
+		{ctx, uuid.Must(uuid.NewV7()), "k1", errOrderConflict}, // the same key, later in the same statement
+		{ctx, taken, "", errOrderConflict},
+		{gaveUp, uuid.Must(uuid.NewV7()), "", context.Canceled},
+		{ctx, uuid.Must(uuid.NewV7()), "", nil},
+	}
+	errs := make([]error, len(cases))
+	for i, c := range cases {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, errs[i] = w.create(c.ctx, c.publicID, testOrder, c.key, "hash")
+		}()
+		waitForWaiting(t, w, i+1) // in this order
+	}
+	giveUp()
+	time.Sleep(10 * time.Millisecond)
+	release()
+	wg.Wait()
+	for i, c := range cases {
+		if (c.want == nil) != (errs[i] == nil) || (c.want != nil && !errors.Is(errs[i], c.want)) {
+			t.Errorf("case %d: %v, want %v", i, errs[i], c.want)
+		}
+	}
+	var written int
+	if err := s.app.db.QueryRow(ctx, `SELECT count(*) FROM orders WHERE public_id = ANY ($1)`,
+		[]uuid.UUID{cases[0].publicID, cases[1].publicID, cases[3].publicID, cases[4].publicID}).Scan(&written); err != nil || written != 2 {
+		t.Fatalf("%d of the batch's new orders written (%v), want 2", written, err)
+	}
+	if got := countOrderEvents(t, s); got != events+3 { // the slot holder's and the batch's two
+		t.Fatalf("%d events written, want %d: one per written order", got-events, 3)
+	}
+}
+
+// A request that gives up while its batch waits leaves at once, whether it
+// opened the batch or not; the batch still runs for the others, and a batch
+// everyone left gives its turn away.
+func TestOrderWriterRequestsThatGiveUpLeaveAtOnce(t *testing.T) {
+	s := startInProcess(t, fastEnv(t))
+	w := &orderWriter{db: s.app.db, maxInFlight: 1}
+	ctx := context.Background()
+	release := holdOrders(t, s)
+
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { // holds the slot until release
+		defer wg.Done()
+		if _, err := w.create(ctx, uuid.Must(uuid.NewV7()), testOrder, "", ""); err != nil {
+			t.Error(err)
+		}
+	}()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		w.mu.Lock()
+		running := w.inFlight
+		w.mu.Unlock()
+		if running == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the first order did not start its statement")
+		}
+	}
+	opener, giveUp := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer giveUp()
+	var openerErr, stayerErr error
+	var openerTook time.Duration
+	stayer := uuid.Must(uuid.NewV7())
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		start := time.Now()
+		_, openerErr = w.create(opener, uuid.Must(uuid.NewV7()), testOrder, "", "")
+		openerTook = time.Since(start)
+	}()
+	waitForWaiting(t, w, 1)
+	go func() {
+		defer wg.Done()
+		_, stayerErr = w.create(ctx, stayer, testOrder, "", "")
+	}()
+	waitForWaiting(t, w, 2)
+	<-opener.Done()
+	time.Sleep(500 * time.Millisecond) // the statement ahead still holds the slot
+	release()
+	wg.Wait()
+	if !errors.Is(openerErr, context.DeadlineExceeded) || openerTook > 400*time.Millisecond {
+		t.Fatalf("the batch's opener gave up: %v after %s, want its deadline at once", openerErr, openerTook)
+	}
+	if stayerErr != nil || countRows(t, s, "orders WHERE public_id = '"+stayer.String()+"'") != 1 {
+		t.Fatalf("the request that stayed: %v", stayerErr)
+	}
+
+	// A batch everyone left: the next request still gets a slot.
+	release = holdOrders(t, s)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if _, err := w.create(ctx, uuid.Must(uuid.NewV7()), testOrder, "", ""); err != nil {
+			t.Error(err)
+		}
+	}()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		w.mu.Lock()
+		running := w.inFlight
+		w.mu.Unlock()
+		if running == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the order did not start its statement")
+		}
+	}
+	gone, cancel := context.WithCancel(ctx)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if _, err := w.create(gone, uuid.Must(uuid.NewV7()), testOrder, "", ""); !errors.Is(err, context.Canceled) {
+			t.Errorf("a request that gave up: %v", err)
+		}
+	}()
+	waitForWaiting(t, w, 1)
+	cancel()
+	waitForWaiting(t, w, 0)
+	release()
+	wg.Wait()
+	if _, err := w.create(ctx, uuid.Must(uuid.NewV7()), testOrder, "", ""); err != nil || w.inFlight != 0 || len(w.waiting) != 0 {
+		t.Fatalf("after the batches: %v, %d running, %d waiting", err, w.inFlight, len(w.waiting))
+	}
+}
