@@ -6,10 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -37,10 +39,11 @@ var errOrderConflict = errors.New("the order's public id or Idempotency-Key is t
 // in the next batch; when a slot frees, one of them runs it. Every order is
 // still atomic with its event (one statement), and each request gets its own
 // answer: its row, errOrderConflict, or the statement's error, which
-// retrySafe treats as before. A request whose budget ends while it waits
-// leaves at once and its order is not written. No goroutine of its own: each
-// statement runs on the goroutine of a request of its batch, which the drain
-// counts as in flight like any other.
+// retrySafe treats as before; a row the database refuses fails alone (the
+// batch's rows are then written one by one). A request whose budget ends
+// while it waits leaves at once and its order is not written. No goroutine
+// of its own: each statement runs on the goroutine of a request of its
+// batch, which the drain counts as in flight like any other.
 type orderWriter struct {
 	db          *pgxpool.Pool
 	maxInFlight int
@@ -194,11 +197,31 @@ func (w *orderWriter) run(b *orderBatch) {
 		ctx, cancel = context.WithDeadline(ctx, deadline)
 		defer cancel()
 	}
-	if err := w.write(ctx, live); err != nil {
+	err := w.write(ctx, live)
+	if err != nil && len(live) > 1 && refusedByData(err) {
+		// One order the database refuses (a check, a value) must not fail
+		// the orders that shared its statement: each is written alone, as it
+		// would have been without company.
+		for _, r := range live {
+			if err := w.write(ctx, []*orderRow{r}); err != nil {
+				r.err = err
+			}
+		}
+		return
+	}
+	if err != nil {
 		for _, r := range live {
 			r.err = err
 		}
 	}
+}
+
+// refusedByData reports a statement the database refused for what a row
+// holds (data exception, integrity constraint violation), not for its own
+// state: another statement without that row would succeed.
+func refusedByData(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (strings.HasPrefix(pgErr.Code, "22") || strings.HasPrefix(pgErr.Code, "23"))
 }
 
 // handOver gives the slot of a finished statement to the oldest waiting

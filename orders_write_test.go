@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // testOrder is an order body as decodeOrder would return it.
@@ -29,6 +30,22 @@ func waitForWaiting(t *testing.T, w *orderWriter, n int) {
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("%d orders waiting, want %d", got, n)
+		}
+	}
+}
+
+// waitForRunning waits until w's one statement slot is taken.
+func waitForRunning(t *testing.T, w *orderWriter) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		w.mu.Lock()
+		running := w.inFlight
+		w.mu.Unlock()
+		if running == 1 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the first order did not start its statement")
 		}
 	}
 }
@@ -81,17 +98,7 @@ func TestOrderWriterSharesAStatement(t *testing.T) {
 	}
 	wg.Add(1)
 	go create(0) // the first writes at once, and waits for the lock
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		w.mu.Lock()
-		running := w.inFlight
-		w.mu.Unlock()
-		if running == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the first order did not start its statement")
-		}
-	}
+	waitForRunning(t, w)
 	for i := 1; i <= n; i++ {
 		wg.Add(1)
 		go create(i)
@@ -148,17 +155,7 @@ func TestOrderWriterConflictsAndGivenUpRequestsInABatch(t *testing.T) {
 			t.Error(err)
 		}
 	}()
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		w.mu.Lock()
-		running := w.inFlight
-		w.mu.Unlock()
-		if running == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the first order did not start its statement")
-		}
-	}
+	waitForRunning(t, w)
 	gaveUp, giveUp := context.WithCancel(ctx)
 	cases := []struct {
 		ctx      context.Context
@@ -217,17 +214,7 @@ func TestOrderWriterRequestsThatGiveUpLeaveAtOnce(t *testing.T) {
 			t.Error(err)
 		}
 	}()
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		w.mu.Lock()
-		running := w.inFlight
-		w.mu.Unlock()
-		if running == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the first order did not start its statement")
-		}
-	}
+	waitForRunning(t, w)
 	opener, giveUp := context.WithTimeout(ctx, 50*time.Millisecond)
 	defer giveUp()
 	var openerErr, stayerErr error
@@ -292,5 +279,41 @@ func TestOrderWriterRequestsThatGiveUpLeaveAtOnce(t *testing.T) {
 	wg.Wait()
 	if _, err := w.create(ctx, uuid.Must(uuid.NewV7()), testOrder, "", ""); err != nil || w.inFlight != 0 || len(w.waiting) != 0 {
 		t.Fatalf("after the batches: %v, %d running, %d waiting", err, w.inFlight, len(w.waiting))
+	}
+}
+
+// An order the database refuses (here a customer its check does not allow)
+// fails alone: the orders that shared its statement are written one by one
+// and commit, each with its event.
+func TestOrderWriterARefusedOrderFailsAlone(t *testing.T) {
+	s := startInProcess(t, fastEnv(t))
+	w := &orderWriter{db: s.app.db, maxInFlight: 1}
+	ctx := context.Background()
+	events := countOrderEvents(t, s)
+	release := holdOrders(t, s)
+	var wg sync.WaitGroup
+	wg.Go(func() { // holds the slot until release
+		if _, err := w.create(ctx, uuid.Must(uuid.NewV7()), testOrder, "", ""); err != nil {
+			t.Error(err)
+		}
+	})
+	waitForRunning(t, w)
+
+	refused := testOrder
+	refused.Customer = "" // decodeOrder never lets this through; the database's check is the last word
+	bodies := []newOrder{testOrder, refused, testOrder}
+	errs := make([]error, len(bodies))
+	for i, body := range bodies {
+		wg.Go(func() { _, errs[i] = w.create(ctx, uuid.Must(uuid.NewV7()), body, "", "") })
+		waitForWaiting(t, w, i+1)
+	}
+	release()
+	wg.Wait()
+	var pgErr *pgconn.PgError
+	if errs[0] != nil || errs[2] != nil || !errors.As(errs[1], &pgErr) || pgErr.Code != "23514" {
+		t.Fatalf("outcomes %v; want nil, a check violation (23514), nil", errs)
+	}
+	if got := countOrderEvents(t, s); got != events+3 { // the slot holder's and the two accepted
+		t.Fatalf("%d events written, want 3: one per written order", got-events)
 	}
 }
