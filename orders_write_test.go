@@ -183,7 +183,7 @@ func TestOrderWriterConflictsAndGivenUpRequestsInABatch(t *testing.T) {
 		}()
 		waitForWaiting(t, w, i+1) // in this order
 	}
-	giveUp() // before or after the statement starts: either way its order is not written
+	giveUp() // whether it leaves the batch first or the statement skips it, its order is not written
 	release()
 	wg.Wait()
 	for i, c := range cases {
