@@ -567,10 +567,11 @@ func (p *outboxPoller) sequenceDelivered(ctx context.Context) {
 
 // sequenceStep is the sequencer: it gives up to limit delivered, unnumbered
 // events their delivery_seq, oldest id first, and returns how many and the
-// newest (whole: it is what the wake-up on Redis carries). The step holds the delivery lock from its first number until its
-// commit, so steps (and the deliveries of binaries from before partitioned
-// delivery, which number under the same lock) commit in number order: a
-// reader that sees number N sees every number below N that will ever exist.
+// newest, whole (the wake-up on Redis carries it). The step holds the
+// delivery lock from its first number until its commit, so steps (and the
+// deliveries of binaries from before partitioned delivery, which number
+// under the same lock) commit in number order: a reader that sees number N
+// sees every number below N that will ever exist.
 // It only numbers committed deliveries; one that commits during the step
 // waits for the next.
 //
@@ -601,11 +602,13 @@ func sequenceStep(ctx context.Context, db *pgxpool.Pool, limit int) (n int, newe
 				ORDER BY n) n
 			WHERE o.id = n.id
 			RETURNING o.id, o.delivery_seq, o.event_type, o.aggregate_type, o.aggregate_id, o.payload, o.created_at)
-		SELECT (SELECT count(*) FROM numbered), coalesce(newest.id, 0), coalesce(newest.delivery_seq, 0),
-			coalesce(newest.event_type, ''), coalesce(newest.aggregate_type, ''), coalesce(newest.aggregate_id, ''),
-			coalesce(newest.payload, 'null'), coalesce(newest.created_at, now())
-		FROM (SELECT 1) one LEFT JOIN LATERAL (SELECT * FROM numbered ORDER BY delivery_seq DESC LIMIT 1) newest ON true`, limit).QueryRow(func(row pgx.Row) error {
-		return row.Scan(&n, &newest.ID, &newest.Seq, &newest.Type, &newest.AggregateType, &newest.AggregateID, &newest.Payload, &newest.CreatedAt)
+		SELECT count(*) OVER (), id, delivery_seq, event_type, aggregate_type, aggregate_id, payload, created_at
+		FROM numbered ORDER BY delivery_seq DESC LIMIT 1`, limit).QueryRow(func(row pgx.Row) error {
+		err := row.Scan(&n, &newest.ID, &newest.Seq, &newest.Type, &newest.AggregateType, &newest.AggregateID, &newest.Payload, &newest.CreatedAt)
+		if errors.Is(err, pgx.ErrNoRows) { // nothing to number
+			return nil
+		}
+		return err
 	})
 	if err := db.SendBatch(ctx, b).Close(); err != nil {
 		return 0, outboxEvent{}, false, fmt.Errorf("numbering delivered events: %w", err)
