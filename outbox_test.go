@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"maps"
 	"slices"
@@ -213,10 +214,15 @@ func TestOutboxDeliversInOrderOnce(t *testing.T) {
 			t.Fatalf("event %d: id %d seq %d, want id %d in sequence", i, got[i], seqs[i], ids[i])
 		}
 	}
-	// The hubs were woken with the newest delivered event.
-	waitFor(t, 2*time.Second, "a wake-up naming the last event", func() bool {
+	// The hubs were woken with the newest delivered event, whole.
+	waitFor(t, 2*time.Second, "a wake-up carrying the last event", func() bool {
 		w := published()
-		return len(w) > 0 && w[len(w)-1].ID == ids[len(ids)-1] && w[len(w)-1].Seq == seqs[len(seqs)-1]
+		if len(w) == 0 {
+			return false
+		}
+		last := w[len(w)-1]
+		return last.ID == ids[len(ids)-1] && last.Seq == seqs[len(seqs)-1] && last.Type == "test.happened" &&
+			last.AggregateID == itoa(int64(len(ids)-1)) && string(last.Payload) == fmt.Sprintf(`{"n":%d}`, len(ids)-1)
 	})
 	// A NOTIFY wakes the idle poller: a new event is delivered well before the poll.
 	f.cfg.PollInterval = time.Hour
