@@ -4,12 +4,15 @@ package main
 //
 //	go test -run '^$' -bench 'Outbox' -benchtime 20000x .
 //
-// BenchmarkOutboxThroughput/pollers=N   delivered (numbered) events/s from a
-//                                       backlog of b.N events by N instances, each
-//                                       its own poller and pool, next to pgbench -N
-//                                       tps on the same server; run it with
-//                                       -benchtime 200000x for the figures in
-//                                       docs/delivery.md
+// BenchmarkOutboxThroughput/rtt=R/pollers=N   delivered (numbered) events/s
+//                                       from a backlog of b.N events by N
+//                                       instances, each its own poller and pool,
+//                                       at the default settings; rtt=1ms puts
+//                                       PostgreSQL one more millisecond away
+//                                       (Toxiproxy). Also the box's busy cores
+//                                       and the CPU per event of the pollers and
+//                                       of PostgreSQL. Run it with -benchtime
+//                                       200000x for the figures in docs/delivery.md
 // BenchmarkOutboxLatency/notify|poll    commit → SSE client latency at 500 events/s
 
 import (
