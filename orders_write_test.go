@@ -244,25 +244,7 @@ func TestOrderWriterRequestsThatGiveUpLeaveAtOnce(t *testing.T) {
 	}
 
 	// A batch everyone left: the next request still gets a slot.
-	release = holdOrders(t, s)
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		if _, err := w.create(ctx, uuid.Must(uuid.NewV7()), testOrder, "", ""); err != nil {
-			t.Error(err)
-		}
-	}()
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		w.mu.Lock()
-		running := w.inFlight
-		w.mu.Unlock()
-		if running == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the order did not start its statement")
-		}
-	}
+	release = occupySlot(t, s, w, &wg)
 	gone, cancel := context.WithCancel(ctx)
 	wg.Add(1)
 	go func() {
