@@ -139,36 +139,22 @@ func postgresCPU(b *testing.B, db *pgxpool.Pool) time.Duration {
 	if err := db.QueryRow(context.Background(), `SELECT pg_backend_pid()`).Scan(&backend); err != nil {
 		b.Fatal(err)
 	}
-	stat := func(pid int) []string { // the fields after the command's closing parenthesis
-		raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if err != nil {
-			return nil
-		}
-		_, rest, _ := strings.Cut(string(raw), ") ")
-		return strings.Fields(rest)
-	}
-	ticks := func(fields []string, from, to int) (n int64) { // stat fields from..to, 1-based as in proc(5)
-		for i := from; i <= to; i++ {
+	ticks := func(pid, from, to int) (n int64) { // stat fields from..to, 1-based as in proc(5)
+		fields := procStat(pid)
+		for i := from; i <= to && i-3 < len(fields); i++ {
 			v, _ := strconv.ParseInt(fields[i-3], 10, 64)
 			n += v
 		}
 		return n
 	}
-	self := stat(backend)
+	self := procStat(backend)
 	if self == nil {
 		b.Skip("PostgreSQL runs on another machine: its CPU cannot be read")
 	}
 	postmaster, _ := strconv.Atoi(self[1])
-	total := ticks(stat(postmaster), 14, 17) // utime, stime, cutime, cstime
-	procs, _ := os.ReadDir("/proc")
-	for _, p := range procs {
-		pid, err := strconv.Atoi(p.Name())
-		if err != nil {
-			continue
-		}
-		if f := stat(pid); f != nil && f[1] == strconv.Itoa(postmaster) {
-			total += ticks(f, 14, 15)
-		}
+	total := ticks(postmaster, 14, 17) // utime, stime, cutime, cstime
+	for _, child := range childPIDs(postmaster) {
+		total += ticks(child, 14, 15)
 	}
 	return time.Duration(total) * time.Second / 100 // USER_HZ
 }

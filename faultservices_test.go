@@ -7,7 +7,9 @@ package main
 // dependency: latency, black holes, reset peers, bandwidth limits.
 
 import (
+	"bytes"
 	"context"
+	"fmt"
 	"net"
 	"net/url"
 	"os"
@@ -131,17 +133,22 @@ func childPIDs(pid int) []int {
 		if err != nil {
 			continue
 		}
-		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
-		if err != nil {
-			continue
-		}
-		// pid (comm) state ppid …; comm may hold spaces, so split after its ')'.
-		fields := strings.Fields(string(stat[strings.LastIndexByte(string(stat), ')')+1:]))
-		if len(fields) > 1 && fields[1] == strconv.Itoa(pid) {
+		if fields := procStat(child); len(fields) > 1 && fields[1] == strconv.Itoa(pid) {
 			children = append(children, child)
 		}
 	}
 	return children
+}
+
+// procStat is /proc/pid/stat after the command: field i of proc(5), 1-based,
+// is at i-3 (state, ppid, …). nil when the process is gone. The command may
+// hold spaces and parentheses, so the split is after its last ')'.
+func procStat(pid int) []string {
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return nil
+	}
+	return strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
 }
 
 // ---------------------------------------------------------------------------
