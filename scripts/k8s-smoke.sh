@@ -22,9 +22,10 @@
 # proxy, CoreDNS built from its module, containerd and runc and the CNI
 # bridge plugin from Debian. Binaries are cached in $KUMIKO_K8S_CACHE
 # (default /var/cache/kumiko-k8s, outside the checkout), keyed by version.
-# Images: the stand-ins scripts/compose-smoke.sh builds (run it first on a
-# fresh machine; .ci/run does), the app image built from this checkout, and a
-# pause stand-in, copied from Docker into this cluster's own containerd.
+# Images: postgres, redis and the Dockerfile's bases, present, pulled or built
+# as stand-ins by scripts/docker-lib.sh (as scripts/compose-smoke.sh does; after
+# it they are reused), the app image built from this checkout, and a pause
+# stand-in, copied from Docker into this cluster's own containerd.
 #
 # Everything listens on loopback or on the cluster's own bridge (10.244.0.1)
 # and its pod and service addresses. Everything it starts is stopped on exit,
@@ -279,13 +280,13 @@ for pair in containerd:containerd runc:runc iptables:iptables etcd:etcd-server c
   command -v "${pair%%:*}" >/dev/null || missing+=("${pair#*:}")
 done
 [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
-if ((${#missing[@]})); then
-  say "installing ${missing[*]} (Debian packages)"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >"$LOGS/apt.log" 2>&1 ||
-    { cat "$LOGS/apt.log" >&2; fail "apt-get install ${missing[*]}"; }
-fi
-command -v vegeta >/dev/null || go install github.com/tsenart/vegeta/v12@v12.13.0 >"$LOGS/build.log" 2>&1 || fail "go install vegeta"
+# Docker, its stand-in images and vegeta: the steps scripts/compose-smoke.sh
+# takes too, so this script also works alone on a fresh machine.
+DOCKER_LOGS=$LOGS
+# shellcheck source=scripts/docker-lib.sh
+. scripts/docker-lib.sh
+((${#missing[@]} == 0)) || apt_install "${missing[@]}"
+docker_tools
 
 # ---- binaries: built once per version, outside the checkout ----
 STEP="build"
@@ -344,16 +345,11 @@ build_secs=$(secs "$t" "$(now)")
 # ---- images: from Docker into this cluster's containerd ----
 STEP="images"
 t=$(now)
-if ! timeout 10 docker info >/dev/null 2>&1; then
-  command -v dockerd >/dev/null || fail "no Docker engine: run scripts/compose-smoke.sh first (it installs docker.io and builds the stand-in images)"
-  dockerd --storage-driver=overlay2 >"$LOGS/dockerd.log" 2>&1 &
-  ENGINE_PID=$!
-  for _ in $(seq 120); do timeout 5 docker info >/dev/null 2>&1 && break; kill -0 "$ENGINE_PID" 2>/dev/null || break; sleep 0.5; done
-  timeout 10 docker info >/dev/null 2>&1 || fail "dockerd did not answer within 60s"
-fi
-for image in postgres:16 redis:7 golang:1.26-bookworm gcr.io/distroless/static-debian12:nonroot; do
-  docker image inspect "$image" >/dev/null 2>&1 || fail "no image $image: run scripts/compose-smoke.sh first (it builds the stand-ins where no registry answers)"
+docker_engine
+for image in postgres:16 redis:7 $(sed -n 's/^FROM \([^ ]*\).*/\1/p' Dockerfile); do
+  ensure "$image" || fail "no image $image and no stand-in for it"
 done
+for s in "${standins[@]}"; do say "stand-in: $s"; done
 pause_hash=$(cat deploy/standins/pause.Dockerfile deploy/standins/pause/main.go | sha256sum | cut -c1-16)
 if [ "$(docker image inspect -f '{{index .Config.Labels "org.kumiko.standin.source"}}' "$PAUSE_IMAGE" 2>/dev/null)" != "$pause_hash" ]; then
   say "building stand-in $PAUSE_IMAGE from deploy/standins/pause.Dockerfile"
