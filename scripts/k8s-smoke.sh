@@ -346,6 +346,9 @@ build_secs=$(secs "$t" "$(now)")
 STEP="images"
 t=$(now)
 docker_engine
+# docker build --progress needs the buildx plugin: Debian's docker.io has
+# only the legacy builder, which refuses the flag.
+docker_plugins
 for image in postgres:16 redis:7 $(sed -n 's/^FROM \([^ ]*\).*/\1/p' Dockerfile); do
   ensure "$image" || fail "no image $image and no stand-in for it"
 done
