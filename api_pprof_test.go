@@ -16,7 +16,7 @@ func TestPprofNeedsTheAdminToken(t *testing.T) {
 		lc := readyLifecycle(t)
 		m := newMetrics()
 		e := newEcho(newLogger(io.Discard, "json"), m, "ops")
-		addOpsRoutes(e, newReadiness(lc, m, time.Second, time.Second), m, defaultConfig().HTTP, token)
+		addOpsRoutes(e, testReadiness(t, lc, m, time.Second, time.Second), m, defaultConfig().HTTP, token)
 		srv := httptest.NewServer(e)
 		t.Cleanup(srv.Close)
 		return srv

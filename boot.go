@@ -66,7 +66,7 @@ func (a *app) boot(ctx context.Context) error {
 		{"jobsWorker", t.phase, failExit, a.jobsWorker},
 		// 15. the event stream hub, the API port (a port in use fails here, at once) and the admin routes.
 		{"apiListener", t.phase, failExit, a.apiListener},
-		// 16. one real readiness probe; then state → ready and /health/ready answers 200.
+		// 16. the readiness checks start; once the gating ones pass, state → ready and /health/ready answers 200.
 		{"ready", t.phase, failExit, a.ready},
 	}
 	for _, ph := range phases {
@@ -109,7 +109,7 @@ func (a *app) observability(ctx context.Context, p *phaseRun) error {
 	a.tracing = t
 	a.lc.traceWith(t.tracer)
 
-	a.health = newReadiness(a.lc, a.metrics, a.timeouts.readinessProbe, a.cfg.Lifecycle.Readiness.CacheTTL)
+	a.health = newReadiness(a.lc, a.metrics, a.timeouts.readinessProbe, a.cfg.Lifecycle.Readiness.CheckInterval, a.panicked)
 	a.health.RegisterReadinessCheck("observability", false, func(context.Context) checkResult {
 		detail := map[string]any{"provider": t.provider}
 		if traceErr != nil {
@@ -257,10 +257,19 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	return nil
 }
 
-// ready is phase 16: one real probe of every gating check before the first
-// 200, so readiness never claims what the dependencies cannot back.
+// ready is phase 16: the readiness checks start their background loops, and
+// the first 200 waits for a real result of every gating check, so readiness
+// never claims what PostgreSQL and the workers cannot back. An optional
+// dependency that hangs holds nothing back: its result comes when it comes.
 func (a *app) ready(ctx context.Context, p *phaseRun) error {
-	if failing := a.health.failingGates(a.health.probe(ctx)); len(failing) > 0 {
+	if err := a.health.Start(ctx); err != nil {
+		return err
+	}
+	a.lc.RegisterShutdownHook("readinessChecks", a.health.Stop)
+	if err := a.health.WaitGating(ctx); err != nil {
+		return err
+	}
+	if failing := a.health.failingGates(a.health.results()); len(failing) > 0 {
 		return fmt.Errorf("readiness checks failing: %s", strings.Join(failing, "; "))
 	}
 	return nil

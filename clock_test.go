@@ -28,7 +28,7 @@ func TestClusterTimesAreRedisTime(t *testing.T) {
 	}
 
 	m := newMetrics()
-	hs := newHeartbeats(rdb, "inst-1", 10*time.Second, time.Second, m, newReadiness(readyLifecycle(t), m, time.Second, 0))
+	hs := newHeartbeats(rdb, "inst-1", 10*time.Second, time.Second, m, testReadiness(t, readyLifecycle(t), m, time.Second, time.Hour))
 	hb := hs.RegisterHeartbeat("outbox", "outboxPoller")
 	if err := hb.beat(ctx); err != nil {
 		t.Fatal(err)

@@ -146,9 +146,9 @@ type heartbeatConfig struct {
 }
 
 type readinessConfig struct {
-	ProbeTimeout time.Duration
-	CacheTTL     time.Duration
-	ProbePeriod  time.Duration
+	ProbeTimeout  time.Duration
+	CheckInterval time.Duration
+	ProbePeriod   time.Duration
 }
 
 // configSetting declares one setting completely. The file key says what the
@@ -305,11 +305,11 @@ func (c *config) settings() []configSetting {
 		{key: "lifecycle.heartbeat.ttl", env: "KUMIKO_HEARTBEAT_TTL", def: "10s", value: durationValue{p: &l.Heartbeat.TTL},
 			doc: "a heartbeat older than this is stale: readiness 503", old: "lifecycle.heartbeat.ttlSec"},
 		{key: "lifecycle.readiness.probeTimeout", env: "KUMIKO_READINESS_PROBE_TIMEOUT", def: "1s", value: durationValue{p: &l.Readiness.ProbeTimeout},
-			doc: "one readiness dependency check", old: "lifecycle.readiness.probeTimeoutSec"},
+			doc: "one run of one readiness check; a check that hangs longer counts as failed", old: "lifecycle.readiness.probeTimeoutSec"},
 		{key: "lifecycle.readiness.probePeriod", env: "KUMIKO_READINESS_PROBE_PERIOD", def: "1s", value: durationValue{p: &l.Readiness.ProbePeriod},
 			doc: "how long the load balancer takes to see a 503 (its check interval × failure threshold): the least a linger lasts"},
-		{key: "lifecycle.readiness.cacheTtl", env: "KUMIKO_READINESS_CACHE_TTL", def: "1s", value: durationValue{p: &l.Readiness.CacheTTL},
-			doc: "reuse a probe result this long, so frequent polling stays cheap", old: "lifecycle.readiness.cacheTtlSec"},
+		{key: "lifecycle.readiness.checkInterval", env: "KUMIKO_READINESS_CHECK_INTERVAL", def: "1s", value: durationValue{p: &l.Readiness.CheckInterval},
+			doc: "each readiness check runs in the background this often; /health/ready answers from the latest results at once", old: "lifecycle.readiness.cacheTtl"},
 	}
 }
 

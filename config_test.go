@@ -115,8 +115,8 @@ func TestLoadConfigSources(t *testing.T) {
 			get: func(c config) any { return c.Lifecycle.Readiness.ProbeTimeout }, want: 250 * time.Millisecond,
 		},
 		{
-			name: "yaml Go duration", file: "lifecycle:\n  readiness:\n    cacheTtl: 250ms\n",
-			get: func(c config) any { return c.Lifecycle.Readiness.CacheTTL }, want: 250 * time.Millisecond,
+			name: "yaml Go duration", file: "lifecycle:\n  readiness:\n    checkInterval: 250ms\n",
+			get: func(c config) any { return c.Lifecycle.Readiness.CheckInterval }, want: 250 * time.Millisecond,
 		},
 		{
 			name: "yaml quoted seconds", file: "lifecycle:\n  heartbeat:\n    ttl: \"12\"\n",

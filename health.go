@@ -13,10 +13,29 @@ import (
 	"github.com/labstack/echo/v4"
 )
 
+// Readiness means "a request sent here now will most likely succeed", and
+// nothing else. It therefore gates on this instance's own state and on what
+// its core path cannot work without (PostgreSQL, and its own workers being
+// alive); a dependency that every instance shares and the core path can do
+// without (Redis, search, storage) is listed as degraded but never fails
+// readiness. Gating on a shared dependency fails every instance at the same
+// moment: the load balancer is left with no server although each instance
+// could serve, and a partial outage becomes a total one.
+//
+// The probe never waits for a dependency either. Each check runs in the
+// background, in its own loop and on its own deadline (so at most one probe
+// of a dependency is in flight), and /health/ready reads the latest results
+// with their age: a hung S3 or a frozen Redis cannot make a load balancer's
+// check time out.
+
 // checkResult is one entry of the readiness body's "checks": "ok" plus whatever
 // the check wants an operator to see (latencyMs, provider, heartbeatAgoSec, ...).
 type checkResult struct {
-	OK     bool
+	OK bool
+	// Shared marks a failure whose cause every instance shares (the
+	// heartbeats of a worker that runs, but cannot reach Redis): shown as
+	// degraded, it never fails readiness, even under a gating check.
+	Shared bool
 	Detail map[string]any
 }
 
@@ -37,12 +56,20 @@ func failedResult(err error, detail map[string]any) checkResult {
 	return checkResult{OK: false, Detail: detail}
 }
 
-// readinessCheck probes one dependency. gates says whether a failure makes the
-// instance not ready: search and storage are shown but degrade features instead.
+// readinessCheck probes one dependency. gates says whether a failure makes
+// the instance not ready; the rule above decides which checks do.
 type readinessCheck struct {
 	name  string
 	gates bool
 	probe func(ctx context.Context) checkResult
+}
+
+// check is a registered check and its latest result.
+type check struct {
+	readinessCheck
+	result checkResult   // guarded by readiness.mu
+	at     time.Time     // when result was taken; zero before the first
+	first  chan struct{} // closed when the first result is in
 }
 
 // readinessReport is the body of GET /health/ready.
@@ -51,37 +78,37 @@ type readinessReport struct {
 	State     string                 `json:"state"`
 	Phase     string                 `json:"phase,omitempty"`
 	UptimeSec int64                  `json:"uptimeSec"`
+	Degraded  []string               `json:"degraded,omitempty"` // failing checks that do not gate
 	Checks    map[string]checkResult `json:"checks"`
 }
 
-// readiness answers /health/ready. Dependency probes are cached: at most one
-// probe runs at a time, each check is bounded, and its result is reused for a
-// short TTL, so a storm of probes from load balancers does not become a storm
-// of DB pings.
+// readiness runs the checks in the background (Start, Stop: startStop, one
+// loop per check) and answers /health/ready from their latest results.
 type readiness struct {
+	*startStop
 	lc           *Lifecycle
 	metrics      *metrics
-	probeTimeout time.Duration
-	cacheTTL     time.Duration
+	probeTimeout time.Duration // one run of one check
+	interval     time.Duration // how often each check runs
+	// staleAfter: a result older than this means the check's last run has
+	// hung past its own deadline; it then counts as failed.
+	staleAfter time.Duration
 
-	mu       sync.Mutex
-	checks   []readinessCheck
-	last     map[string]checkResult
-	lastAt   time.Time
-	inflight chan struct{} // closed when the running probe ends; nil when none runs
+	mu     sync.Mutex
+	checks []*check
 }
 
-func newReadiness(lc *Lifecycle, m *metrics, probeTimeout, cacheTTL time.Duration) *readiness {
-	return &readiness{lc: lc, metrics: m, probeTimeout: probeTimeout, cacheTTL: cacheTTL}
+func newReadiness(lc *Lifecycle, m *metrics, probeTimeout, interval time.Duration, onPanic func(string, any)) *readiness {
+	return &readiness{startStop: newStartStop("readiness", stopNow, onPanic), lc: lc, metrics: m,
+		probeTimeout: probeTimeout, interval: interval, staleAfter: 2*interval + probeTimeout}
 }
 
-// RegisterReadinessCheck adds a check; phases call it right after the component
-// they check is up.
+// RegisterReadinessCheck adds a check; phases call it right after the
+// component they check is up, before Start (phase 16).
 func (rd *readiness) RegisterReadinessCheck(name string, gates bool, probe func(context.Context) checkResult) {
 	rd.mu.Lock()
 	defer rd.mu.Unlock()
-	rd.checks = append(rd.checks, readinessCheck{name: name, gates: gates, probe: probe})
-	rd.lastAt = time.Time{} // the cached result lacks the new check
+	rd.checks = append(rd.checks, &check{readinessCheck: readinessCheck{name: name, gates: gates, probe: probe}, first: make(chan struct{})})
 }
 
 // RegisterSkipped shows a component that is not configured (or not part of
@@ -92,28 +119,133 @@ func (rd *readiness) RegisterSkipped(name, reason string) {
 	rd.RegisterReadinessCheck(name, false, func(context.Context) checkResult { return result })
 }
 
-// report builds the readiness body. Only a ready process probes its
-// dependencies; starting and draining answer at once from what they know.
-func (rd *readiness) report(ctx context.Context) (readinessReport, bool) {
+// Start runs every check at once and then every interval, each in its own
+// loop. WaitGating tells when the gating checks have a first result.
+func (rd *readiness) Start(ctx context.Context) error {
+	return rd.start(ctx, nil, func(ctx context.Context) {
+		rd.mu.Lock()
+		checks := slices.Clone(rd.checks)
+		rd.mu.Unlock()
+		for _, c := range checks {
+			rd.goOwned(ctx, func(ctx context.Context) { rd.loop(ctx, c) })
+		}
+		<-ctx.Done()
+	})
+}
+
+// loop runs one check until the readiness stops. A run that hangs past its
+// deadline holds back only this check's next run, and its result turns
+// stale meanwhile.
+func (rd *readiness) loop(ctx context.Context, c *check) {
+	tick := time.NewTicker(rd.interval)
+	defer tick.Stop()
+	for {
+		rd.run(ctx, c)
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// run probes one check, bounded by probeTimeout, and keeps its result.
+func (rd *readiness) run(ctx context.Context, c *check) {
+	cctx, cancel := context.WithTimeout(ctx, rd.probeTimeout)
+	res := c.probe(cctx)
+	cancel()
+	if ctx.Err() != nil {
+		return // stopped: a cancelled probe says nothing about the dependency
+	}
+	rd.metrics.readinessProbes.WithLabelValues(c.name).Inc()
+	rd.metrics.readinessOK.WithLabelValues(c.name).Set(boolGauge(res.OK))
+	rd.mu.Lock()
+	defer rd.mu.Unlock()
+	if c.at.IsZero() {
+		close(c.first)
+	}
+	c.result, c.at = res, time.Now()
+}
+
+// refresh runs every check once now, concurrently, and keeps the results;
+// tests use it to read a report without waiting for the loops.
+func (rd *readiness) refresh(ctx context.Context) {
+	rd.mu.Lock()
+	checks := slices.Clone(rd.checks)
+	rd.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, c := range checks {
+		wg.Go(func() { rd.run(ctx, c) })
+	}
+	wg.Wait()
+}
+
+// WaitGating returns once every gating check has a first result, or when
+// ctx ends. Phase 16 waits for it: the first 200 must be backed by a real
+// probe of what gates, while an optional dependency that hangs holds no boot.
+func (rd *readiness) WaitGating(ctx context.Context) error {
+	rd.mu.Lock()
+	checks := slices.Clone(rd.checks)
+	rd.mu.Unlock()
+	for _, c := range checks {
+		if !c.gates {
+			continue
+		}
+		select {
+		case <-c.first:
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for the first result of readiness check %s: %w", c.name, context.Cause(ctx))
+		}
+	}
+	return nil
+}
+
+// results are the latest results with their age; a stale one is a failure
+// that says so.
+func (rd *readiness) results() map[string]checkResult {
+	rd.mu.Lock()
+	defer rd.mu.Unlock()
+	now := time.Now()
+	out := make(map[string]checkResult, len(rd.checks))
+	for _, c := range rd.checks {
+		if c.at.IsZero() {
+			continue // not run yet: phase 16 waits for the gating ones
+		}
+		age := now.Sub(c.at)
+		res := c.result
+		res.Detail = maps.Clone(res.Detail)
+		if res.Detail == nil {
+			res.Detail = map[string]any{}
+		}
+		res.Detail["ageMs"] = age.Milliseconds()
+		if age > rd.staleAfter {
+			res.OK, res.Shared = false, false
+			res.Detail["error"] = fmt.Sprintf("no result for %s: the check hangs past its %s deadline", age.Round(time.Millisecond), rd.probeTimeout)
+		}
+		out[c.name] = res
+	}
+	return out
+}
+
+// report builds the readiness body from the latest results; it never waits.
+// Only a ready process can be ready; starting and draining say so whatever
+// the checks found.
+func (rd *readiness) report() (readinessReport, bool) {
 	state := rd.lc.State()
-	rep := readinessReport{Status: "not_ready", State: state.String(), UptimeSec: int64(rd.lc.Uptime().Seconds())}
+	rep := readinessReport{Status: "not_ready", State: state.String(), UptimeSec: int64(rd.lc.Uptime().Seconds()), Checks: rd.results()}
 	if state == StateStarting {
 		rep.Phase = rd.lc.Phase()
 	}
-	if state != StateReady {
-		rep.Checks = rd.cached()
-		return rep, false
+	for name, res := range rep.Checks {
+		if !res.OK && !rd.gatesOn(name, res) {
+			rep.Degraded = append(rep.Degraded, name)
+		}
 	}
-
-	rep.Checks = rd.probe(ctx)
-	ready := len(rd.failingGates(rep.Checks)) == 0
-	// The state may have changed while the probe ran: a draining instance must
-	// never answer 200.
-	if ready && rd.lc.State() == StateReady {
+	slices.Sort(rep.Degraded)
+	if state == StateReady && len(rd.failingGates(rep.Checks)) == 0 {
 		rep.Status = "ready"
 		return rep, true
 	}
-	rep.State = rd.lc.State().String()
 	return rep, false
 }
 
@@ -122,7 +254,7 @@ func (rd *readiness) report(ctx context.Context) (readinessReport, bool) {
 func (rd *readiness) failingGates(results map[string]checkResult) []string {
 	var failing []string
 	for name, res := range results {
-		if !res.OK && rd.gates(name) {
+		if !res.OK && rd.gatesOn(name, res) {
 			failing = append(failing, fmt.Sprintf("%s: %v", name, res.Detail["error"]))
 		}
 	}
@@ -130,8 +262,11 @@ func (rd *readiness) failingGates(results map[string]checkResult) []string {
 	return failing
 }
 
-// gates says whether the named check decides readiness.
-func (rd *readiness) gates(name string) bool {
+// gatesOn says whether the named check's failure res decides readiness.
+func (rd *readiness) gatesOn(name string, res checkResult) bool {
+	if res.Shared {
+		return false
+	}
 	rd.mu.Lock()
 	defer rd.mu.Unlock()
 	for _, c := range rd.checks {
@@ -140,69 +275,6 @@ func (rd *readiness) gates(name string) bool {
 		}
 	}
 	return false
-}
-
-func (rd *readiness) cached() map[string]checkResult {
-	rd.mu.Lock()
-	defer rd.mu.Unlock()
-	return maps.Clone(rd.last)
-}
-
-// probe returns fresh-enough results: from the cache within its TTL, from the
-// probe already running if there is one, or by running one.
-func (rd *readiness) probe(ctx context.Context) map[string]checkResult {
-	for {
-		rd.mu.Lock()
-		if !rd.lastAt.IsZero() && time.Since(rd.lastAt) < rd.cacheTTL {
-			res := maps.Clone(rd.last)
-			rd.mu.Unlock()
-			return res
-		}
-		if wait := rd.inflight; wait != nil {
-			rd.mu.Unlock()
-			select {
-			case <-wait:
-				continue // its result is in the cache now
-			case <-ctx.Done():
-				return rd.cached()
-			}
-		}
-		done := make(chan struct{})
-		rd.inflight = done
-		checks := append([]readinessCheck(nil), rd.checks...)
-		rd.mu.Unlock()
-
-		// The probe belongs to every waiter, not to the request that started it:
-		// a client hanging up must not fail everyone else's answer.
-		results := rd.runChecks(context.WithoutCancel(ctx), checks)
-
-		rd.mu.Lock()
-		rd.last, rd.lastAt, rd.inflight = results, time.Now(), nil
-		rd.mu.Unlock()
-		close(done)
-		return maps.Clone(results)
-	}
-}
-
-// runChecks probes every check concurrently, each bounded by probeTimeout.
-func (rd *readiness) runChecks(ctx context.Context, checks []readinessCheck) map[string]checkResult {
-	results := make(map[string]checkResult, len(checks))
-	var mu sync.Mutex
-	var wg sync.WaitGroup
-	for _, c := range checks {
-		wg.Go(func() {
-			cctx, cancel := context.WithTimeout(ctx, rd.probeTimeout)
-			defer cancel()
-			res := c.probe(cctx)
-			rd.metrics.readinessProbes.WithLabelValues(c.name).Inc()
-			rd.metrics.readinessOK.WithLabelValues(c.name).Set(boolGauge(res.OK))
-			mu.Lock()
-			results[c.name] = res
-			mu.Unlock()
-		})
-	}
-	wg.Wait()
-	return results
 }
 
 func boolGauge(b bool) float64 {
@@ -237,7 +309,7 @@ func handleLive() echo.HandlerFunc {
 // check's ok, since error text names users, databases and addresses.
 func handleReady(rd *readiness, detailed bool) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		rep, ok := rd.report(c.Request().Context())
+		rep, ok := rd.report()
 		c.Response().Header().Set("Cache-Control", "no-store")
 		if !detailed {
 			rep = rep.statusOnly()

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -16,79 +17,167 @@ func readyLifecycle(t testing.TB) *Lifecycle {
 	return lc
 }
 
-// A storm of probes runs the dependency checks once per cache TTL, not once per request.
-func TestReadinessStormRunsOneProbePerTTL(t *testing.T) {
-	lc := readyLifecycle(t)
-	rd := newReadiness(lc, newMetrics(), time.Second, 200*time.Millisecond)
-	var pings atomic.Int64
-	rd.RegisterReadinessCheck("db", true, func(context.Context) checkResult {
-		pings.Add(1)
-		time.Sleep(30 * time.Millisecond) // a slow DB: concurrent probes pile up behind one
+// testReadiness is a readiness whose background loops fail the test if they panic.
+func testReadiness(t testing.TB, lc *Lifecycle, m *metrics, probeTimeout, interval time.Duration) *readiness {
+	t.Helper()
+	rd := newReadiness(lc, m, probeTimeout, interval, func(c string, r any) { t.Errorf("%s panicked: %v", c, r) })
+	t.Cleanup(func() { rd.Stop(context.Background()) })
+	return rd
+}
+
+// hangs is a probe that waits for its deadline, like a dependency that
+// accepts and never answers.
+func hangs(ctx context.Context) checkResult {
+	return timedCheck(ctx, func(ctx context.Context) error { <-ctx.Done(); return ctx.Err() })
+}
+
+// The probe reads the latest results and never waits: with every check
+// hanging, a storm of probes answers, and runs no check of its own.
+func TestReadinessAnswersWithoutWaitingForChecks(t *testing.T) {
+	rd := testReadiness(t, readyLifecycle(t), newMetrics(), time.Hour, time.Hour)
+	var runs, running, overlap atomic.Int64
+	gate := make(chan struct{})
+	rd.RegisterReadinessCheck("db", true, func(ctx context.Context) checkResult {
+		runs.Add(1)
+		if running.Add(1) > 1 {
+			overlap.Add(1)
+		}
+		defer running.Add(-1)
+		if runs.Load() == 1 {
+			return okResult(nil)
+		}
+		<-gate // from the second run on: the database hangs
 		return okResult(nil)
 	})
-
+	rd.RegisterReadinessCheck("storage", false, hangs)
+	if err := rd.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := rd.WaitGating(context.Background()); err != nil {
+		t.Fatal(err)
+	}
 	var wg sync.WaitGroup
 	for range 200 {
 		wg.Go(func() {
-			if _, ok := rd.report(context.Background()); !ok {
-				t.Error("not ready")
+			if rep, ok := rd.report(); !ok {
+				t.Errorf("not ready: %+v", rep)
 			}
 		})
 	}
 	wg.Wait()
-	if n := pings.Load(); n != 1 {
-		t.Fatalf("200 concurrent probes ran the DB check %d times, want 1", n)
+	if n := runs.Load(); n != 1 {
+		t.Errorf("200 probes ran the db check %d times in all, want only the loop's first run", n)
 	}
-	time.Sleep(250 * time.Millisecond)
-	rd.report(context.Background())
-	if n := pings.Load(); n != 2 {
-		t.Fatalf("after the TTL the check ran %d times in all, want 2", n)
+	close(gate)
+	if overlap.Load() > 0 {
+		t.Error("two runs of one check overlapped")
 	}
 }
 
-// Draining answers 503 at once: no dependency probe is needed to say so.
-func TestReadinessWhileDrainingNeedsNoProbe(t *testing.T) {
-	lc := readyLifecycle(t)
-	rd := newReadiness(lc, newMetrics(), time.Hour, time.Millisecond)
-	rd.RegisterReadinessCheck("db", true, func(ctx context.Context) checkResult {
-		<-ctx.Done()
-		return failedResult(ctx.Err(), nil)
+// Readiness gates on the core path (PostgreSQL, this instance's workers);
+// a shared dependency's trouble is listed as degraded and keeps it ready.
+func TestReadinessGatesOnlyOnTheCorePath(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		failing      string
+		ready        bool
+		wantDegraded string
+	}{
+		{name: "redis down", failing: "redis", ready: true, wantDegraded: "redis"},
+		{name: "search down", failing: "search", ready: true, wantDegraded: "search"},
+		{name: "storage down", failing: "storage", ready: true, wantDegraded: "storage"},
+		{name: "heartbeats not reaching redis", failing: "outboxPoller/shared", ready: true, wantDegraded: "outboxPoller"},
+		{name: "worker stuck", failing: "outboxPoller", ready: false},
+		{name: "db down", failing: "db", ready: false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rd := testReadiness(t, readyLifecycle(t), newMetrics(), time.Second, time.Hour)
+			for _, c := range []struct {
+				name  string
+				gates bool
+			}{{"db", true}, {"outboxPoller", true}, {"redis", false}, {"search", false}, {"storage", false}} {
+				rd.RegisterReadinessCheck(c.name, c.gates, func(context.Context) checkResult {
+					switch tc.failing {
+					case c.name:
+						return failedResult(errors.New("down"), nil)
+					case c.name + "/shared":
+						res := failedResult(errors.New("redis does not hear it"), nil)
+						res.Shared = true
+						return res
+					}
+					return okResult(nil)
+				})
+			}
+			rd.refresh(context.Background())
+			rep, ok := rd.report()
+			if ok != tc.ready {
+				t.Fatalf("ready=%v, want %v: %+v", ok, tc.ready, rep)
+			}
+			if got := strings.Join(rep.Degraded, ","); got != tc.wantDegraded {
+				t.Errorf("degraded %q, want %q", got, tc.wantDegraded)
+			}
+		})
+	}
+}
+
+// A check that hangs past its own deadline (it ignores its context) turns
+// stale, and a stale gating check fails readiness; each result has its age.
+func TestReadinessStaleCheckFails(t *testing.T) {
+	rd := testReadiness(t, readyLifecycle(t), newMetrics(), 10*time.Millisecond, 10*time.Millisecond)
+	release := make(chan struct{})
+	defer close(release)
+	var runs atomic.Int64
+	rd.RegisterReadinessCheck("db", true, func(context.Context) checkResult {
+		if runs.Add(1) > 1 {
+			<-release // ignores its deadline
+		}
+		return okResult(nil)
 	})
+	if err := rd.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := rd.WaitGating(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if rep, ok := rd.report(); !ok || rep.Checks["db"].Detail["ageMs"] == nil {
+		t.Fatalf("after the first run: ready=%v %+v", ok, rep.Checks)
+	}
+	var rep readinessReport
+	waitFor(t, 5*time.Second, "the hung check to turn stale", func() bool {
+		var ok bool
+		rep, ok = rd.report()
+		return !ok
+	})
+	if msg, _ := rep.Checks["db"].Detail["error"].(string); !strings.Contains(msg, "hangs") {
+		t.Fatalf("stale check %+v", rep.Checks["db"])
+	}
+}
+
+// Draining answers 503 whatever the checks say.
+func TestReadinessWhileDrainingIsNotReady(t *testing.T) {
+	lc := readyLifecycle(t)
+	rd := testReadiness(t, lc, newMetrics(), time.Second, time.Hour)
+	rd.RegisterReadinessCheck("db", true, func(context.Context) checkResult { return okResult(nil) })
+	rd.refresh(context.Background())
 	lc.moveTo(StateDraining)
-	start := time.Now()
-	rep, ok := rd.report(context.Background())
+	rep, ok := rd.report()
 	if ok || rep.State != "draining" || rep.Status != "not_ready" {
 		t.Fatalf("report %+v ok=%v", rep, ok)
 	}
-	if took := time.Since(start); took > 100*time.Millisecond {
-		t.Fatalf("draining readiness took %s", took)
-	}
 }
 
-// Each check is bounded; optional checks (search, storage) never fail readiness.
-func TestReadinessChecksAreBoundedAndOptionalOnesDoNotGate(t *testing.T) {
-	lc := readyLifecycle(t)
-	rd := newReadiness(lc, newMetrics(), 50*time.Millisecond, time.Millisecond)
-	rd.RegisterReadinessCheck("search", false, func(context.Context) checkResult { return failedResult(errors.New("down"), nil) })
-	rd.RegisterReadinessCheck("redis", true, func(ctx context.Context) checkResult {
-		return timedCheck(ctx, func(ctx context.Context) error { <-ctx.Done(); return ctx.Err() })
-	})
-	start := time.Now()
-	rep, ok := rd.report(context.Background())
-	if ok {
-		t.Fatal("ready with a hanging redis")
+// Phase 16 waits for the gating checks only: a hung optional check holds no boot.
+func TestWaitGatingIgnoresOptionalChecks(t *testing.T) {
+	rd := testReadiness(t, newTestLifecycle(), newMetrics(), time.Hour, time.Hour)
+	rd.RegisterReadinessCheck("db", true, func(context.Context) checkResult { return okResult(nil) })
+	rd.RegisterReadinessCheck("search", false, hangs)
+	if err := rd.Start(context.Background()); err != nil {
+		t.Fatal(err)
 	}
-	if took := time.Since(start); took > time.Second {
-		t.Fatalf("probe took %s with a 50ms check timeout", took)
+	if err := rd.WaitGating(context.Background()); err != nil {
+		t.Fatal(err)
 	}
-	if rep.Checks["redis"].OK || rep.Checks["search"].OK {
-		t.Fatalf("checks %+v", rep.Checks)
-	}
-
-	rd2 := newReadiness(lc, newMetrics(), time.Second, time.Millisecond)
-	rd2.RegisterReadinessCheck("search", false, func(context.Context) checkResult { return failedResult(errors.New("down"), nil) })
-	rd2.RegisterReadinessCheck("storage", false, func(context.Context) checkResult { return failedResult(errors.New("down"), nil) })
-	if _, ok := rd2.report(context.Background()); !ok {
-		t.Fatal("search and storage being down made the instance not ready")
+	if _, seen := rd.results()["search"]; seen {
+		t.Fatal("the hung search check has a result")
 	}
 }

@@ -19,7 +19,8 @@ import (
 // heartbeats keeps the "still alive" keys of this instance's background workers:
 // SETEX <prefix>heartbeat:<worker>:<instanceId> <ttl> <unix ts>. A worker beats from its
 // own loop, so a loop that is stuck stops beating and goes stale: readiness turns
-// 503 here, and other instances stop listing it once the key expires.
+// 503 here, and other instances stop listing it once the key expires. A beat
+// that Redis does not take is not staleness: readiness shows it as degraded.
 type heartbeats struct {
 	rdb        *redis.Client
 	instanceID string
@@ -42,7 +43,10 @@ type heartbeat struct {
 	worker string
 	key    string
 	owner  *heartbeats
-	last   atomic.Int64 // the last successful beat, as nanoseconds since owner.born plus 1; 0 = never
+	// tried is when the worker's loop last came to beat and last when a beat
+	// last reached Redis, both as nanoseconds since owner.born plus 1 (0 =
+	// never): a worker that still tries is alive, though Redis may not hear it.
+	tried, last atomic.Int64
 }
 
 func newHeartbeats(rdb *redis.Client, instanceID string, ttl, timeout time.Duration, m *metrics, rd *readiness) *heartbeats {
@@ -117,6 +121,7 @@ func (h *heartbeat) beat(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, h.owner.timeout)
 	defer cancel()
 	sent := time.Since(h.owner.born)
+	h.tried.Store(int64(sent) + 1)
 	err := beatScript.Run(ctx, h.owner.rdb, []string{h.key}, h.owner.ttl.Milliseconds()).Err()
 	if err != nil {
 		h.owner.metrics.heartbeatWritten.WithLabelValues(h.worker, "failed").Inc()
@@ -129,24 +134,38 @@ func (h *heartbeat) beat(ctx context.Context) error {
 
 // age is the time since the last successful beat, in monotonic time; ok is
 // false before the first.
-func (h *heartbeat) age() (time.Duration, bool) {
-	last := h.last.Load()
-	if last == 0 {
+func (h *heartbeat) age() (time.Duration, bool) { return h.since(&h.last) }
+
+// since is the time since the moment at holds (tried or last).
+func (h *heartbeat) since(at *atomic.Int64) (time.Duration, bool) {
+	v := at.Load()
+	if v == 0 {
 		return 0, false
 	}
-	return time.Since(h.owner.born) - time.Duration(last-1), true
+	return time.Since(h.owner.born) - time.Duration(v-1), true
 }
 
-// readinessCheck fails when this instance's own worker has not beaten within the TTL.
+// readinessCheck fails when this instance's own worker has stopped beating
+// within the TTL: its loop is stuck, which is this instance's trouble alone.
+// A worker that beats but cannot reach Redis is shown as degraded (Shared):
+// Redis is every instance's, and the worker goes on without it.
 func (h *heartbeat) readinessCheck(context.Context) checkResult {
-	age, ok := h.age()
+	tried, ok := h.since(&h.tried)
 	if !ok {
 		return checkResult{OK: false, Detail: map[string]any{"error": "no heartbeat yet"}}
 	}
-	detail := map[string]any{"heartbeatAgoSec": int64(age.Seconds())}
-	if age > h.owner.ttl {
-		detail["error"] = fmt.Sprintf("heartbeat is stale (%s old, ttl %s)", age.Round(time.Millisecond), h.owner.ttl)
+	detail := map[string]any{}
+	if tried > h.owner.ttl {
+		detail["error"] = fmt.Sprintf("heartbeat is stale (%s old, ttl %s): the worker is stuck", tried.Round(time.Millisecond), h.owner.ttl)
 		return checkResult{OK: false, Detail: detail}
+	}
+	written, ok := h.age()
+	if ok {
+		detail["heartbeatAgoSec"] = int64(written.Seconds())
+	}
+	if !ok || written > h.owner.ttl {
+		detail["error"] = fmt.Sprintf("the worker runs, but its heartbeat has not reached Redis within the ttl %s", h.owner.ttl)
+		return checkResult{OK: false, Shared: true, Detail: detail}
 	}
 	return okResult(detail)
 }

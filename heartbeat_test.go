@@ -20,11 +20,12 @@ func TestHeartbeatLifecycle(t *testing.T) {
 
 	lc := readyLifecycle(t)
 	m := newMetrics()
-	rd := newReadiness(lc, m, time.Second, 0) // no caching: every report probes
+	rd := testReadiness(t, lc, m, time.Second, time.Hour)
 	hs := newHeartbeats(rdb, "inst-1", 300*time.Millisecond, time.Second, m, rd)
 	hb := hs.RegisterHeartbeat("outbox", "outboxPoller")
 
-	if rep, ok := rd.report(ctx); ok || rep.Checks["outboxPoller"].OK {
+	rd.refresh(ctx)
+	if rep, ok := rd.report(); ok || rep.Checks["outboxPoller"].OK {
 		t.Fatalf("ready before the first beat: %+v", rep.Checks)
 	}
 	if err := hb.beat(ctx); err != nil {
@@ -34,7 +35,8 @@ func TestHeartbeatLifecycle(t *testing.T) {
 	if err != nil || ttl <= 0 || ttl > 300*time.Millisecond {
 		t.Fatalf("heartbeat key TTL %v (%v), want ≤ 300ms", ttl, err)
 	}
-	if _, ok := rd.report(ctx); !ok {
+	rd.refresh(ctx)
+	if _, ok := rd.report(); !ok {
 		t.Fatal("not ready right after a beat")
 	}
 	workers, err := listLiveWorkers(ctx, rdb)
@@ -46,7 +48,8 @@ func TestHeartbeatLifecycle(t *testing.T) {
 	}
 
 	time.Sleep(350 * time.Millisecond) // the worker "hangs": no beat within the TTL
-	if rep, ok := rd.report(ctx); ok || !strings.Contains(rep.Checks["outboxPoller"].Detail["error"].(string), "stale") {
+	rd.refresh(ctx)
+	if rep, ok := rd.report(); ok || !strings.Contains(rep.Checks["outboxPoller"].Detail["error"].(string), "stale") {
 		t.Fatalf("a stale heartbeat kept the instance ready: %+v", rep.Checks["outboxPoller"])
 	}
 
@@ -58,5 +61,37 @@ func TestHeartbeatLifecycle(t *testing.T) {
 	}
 	if n, _ := rdb.Exists(ctx, heartbeatKeyPrefix+"outbox:inst-1").Result(); n != 0 {
 		t.Fatal("heartbeat key still there after a clean stop")
+	}
+}
+
+// A worker that beats while Redis does not answer is alive: its check is
+// degraded (Redis is every instance's) and the instance stays ready; a worker
+// that stopped beating fails readiness.
+func TestHeartbeatWithoutRedisIsDegradedNotStale(t *testing.T) {
+	srv := testRedis(t)
+	rdb := redisClient(t, srv.URL)
+	ctx := context.Background()
+	m := newMetrics()
+	rd := testReadiness(t, readyLifecycle(t), m, time.Second, time.Hour)
+	hs := newHeartbeats(rdb, "inst-1", time.Minute, 100*time.Millisecond, m, rd)
+	hs.born = time.Now().Add(-time.Hour) // the last beat that reached Redis was an hour ago
+	hb := hs.RegisterHeartbeat("outbox", "outboxPoller")
+	hb.last.Store(1)
+	hb.tried.Store(1)
+
+	rd.refresh(ctx)
+	if rep, ok := rd.report(); ok || !strings.Contains(rep.Checks["outboxPoller"].Detail["error"].(string), "stuck") {
+		t.Fatalf("a worker that stopped beating an hour ago: ready=%v %+v", ok, rep.Checks["outboxPoller"])
+	}
+
+	srv.Pause()
+	defer srv.Resume()
+	if err := hb.beat(ctx); err == nil {
+		t.Fatal("a beat reached a frozen Redis")
+	}
+	rd.refresh(ctx)
+	rep, ok := rd.report()
+	if !ok || rep.Checks["outboxPoller"].OK || strings.Join(rep.Degraded, ",") != "outboxPoller" {
+		t.Fatalf("a worker that beats while Redis is frozen: ready=%v degraded=%v %+v", ok, rep.Degraded, rep.Checks["outboxPoller"])
 	}
 }

@@ -134,7 +134,7 @@ func newMetrics() *metrics {
 			Namespace: metricNamespace, Name: "readiness_check_ok", Help: "1 when the readiness check passed at its last probe.",
 		}, []string{"check"}),
 		readinessProbes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: metricNamespace, Name: "readiness_probes_total", Help: "Dependency probes actually run (cache misses), by check.",
+			Namespace: metricNamespace, Name: "readiness_probes_total", Help: "Readiness check runs in the background, by check.",
 		}, []string{"check"}),
 		panics: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "panics_total", Help: "Recovered panics, by where they happened.",

@@ -84,7 +84,7 @@ func BenchmarkDependencyBlips(b *testing.B) {
 // DB is pinged once per cache TTL (1s by default) however hard they push.
 func BenchmarkLifecycleReadinessStorm(b *testing.B) {
 	env, ops := benchEnv(b)
-	env["KUMIKO_READINESS_CACHE_TTL"] = "1s"
+	env["KUMIKO_READINESS_CHECK_INTERVAL"] = "1s"
 	cmd := benchCmd(env)
 	if err := cmd.Start(); err != nil {
 		b.Fatal(err)

@@ -77,7 +77,7 @@ func (f *outboxFixture) instanceAt(t testing.TB, name, conn string) *outboxPolle
 func (f *outboxFixture) pollerOn(t testing.TB, name string, db *pgxpool.Pool) *outboxPoller {
 	t.Helper()
 	m := newMetrics()
-	rd := newReadiness(readyLifecycle(t), m, time.Second, time.Millisecond)
+	rd := testReadiness(t, readyLifecycle(t), m, time.Second, time.Hour)
 	beat := newHeartbeats(f.rdb, name, 10*time.Second, time.Second, m, rd).RegisterHeartbeat("outbox", "outboxPoller")
 	p := newOutboxPoller(outboxPollerDeps{db: db, redis: f.rdb, cfg: f.cfg, beat: beat, beatEvery: cmp.Or(f.beatEvery, time.Second),
 		instanceID: name, memberTTL: 10 * time.Second, redisCall: time.Second,

@@ -73,7 +73,7 @@ func fastEnv(t testing.TB) map[string]string {
 		"KUMIKO_DRAIN_TIMEOUT":           "5s",
 		"KUMIKO_SHUTDOWN_TIMEOUT":        "10s",
 		"KUMIKO_CONNECT_RETRY_BASE":      "50ms",
-		"KUMIKO_READINESS_CACHE_TTL":     "100ms",
+		"KUMIKO_READINESS_CHECK_INTERVAL":     "100ms",
 		"KUMIKO_READINESS_PROBE_TIMEOUT": "500ms",
 		"KUMIKO_OUTBOX_POLL_INTERVAL":    "100ms",
 		"KUMIKO_OUTBOX_RETRY_BASE":       "50ms",

@@ -56,7 +56,9 @@ func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
 	}
 	a.redis = client
 	a.lc.RegisterShutdownHook("redis", func(context.Context) error { return client.Close() })
-	a.health.RegisterReadinessCheck("redis", true, func(ctx context.Context) checkResult {
+	// Redis is shown, never gating: every instance shares it, and the core
+	// path works without it (health.go).
+	a.health.RegisterReadinessCheck("redis", false, func(ctx context.Context) checkResult {
 		return timedCheck(ctx, ping)
 	})
 	// The dashboard's status record; its hook runs after the heartbeats' and before the client's.
