@@ -62,22 +62,22 @@ var testMasterKey = base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{7}, 32
 func fastEnv(t testing.TB) map[string]string {
 	t.Helper()
 	return map[string]string{
-		"DATABASE_URL":                   testPostgres(t),
-		"REDIS_URL":                      testRedis(t).URL,
-		"KUMIKO_MASTER_KEY":              testMasterKey,
-		"KUMIKO_HTTP_ADDR":               "127.0.0.1:0",
-		"KUMIKO_OPS_ADDR":                "127.0.0.1:0",
-		"KUMIKO_LOG_FORMAT":              "json",
-		"KUMIKO_MIGRATIONS_MODE":         "auto-apply",
-		"KUMIKO_LINGER":                  "200ms",
-		"KUMIKO_DRAIN_TIMEOUT":           "5s",
-		"KUMIKO_SHUTDOWN_TIMEOUT":        "10s",
-		"KUMIKO_CONNECT_RETRY_BASE":      "50ms",
-		"KUMIKO_READINESS_CHECK_INTERVAL":     "100ms",
-		"KUMIKO_READINESS_PROBE_TIMEOUT": "500ms",
-		"KUMIKO_OUTBOX_POLL_INTERVAL":    "100ms",
-		"KUMIKO_OUTBOX_RETRY_BASE":       "50ms",
-		"KUMIKO_INSTANCE_ID":             "test-" + strings.ReplaceAll(t.Name(), "/", "-"),
+		"DATABASE_URL":                    testPostgres(t),
+		"REDIS_URL":                       testRedis(t).URL,
+		"KUMIKO_MASTER_KEY":               testMasterKey,
+		"KUMIKO_HTTP_ADDR":                "127.0.0.1:0",
+		"KUMIKO_OPS_ADDR":                 "127.0.0.1:0",
+		"KUMIKO_LOG_FORMAT":               "json",
+		"KUMIKO_MIGRATIONS_MODE":          "auto-apply",
+		"KUMIKO_LINGER":                   "200ms",
+		"KUMIKO_DRAIN_TIMEOUT":            "5s",
+		"KUMIKO_SHUTDOWN_TIMEOUT":         "10s",
+		"KUMIKO_CONNECT_RETRY_BASE":       "50ms",
+		"KUMIKO_READINESS_CHECK_INTERVAL": "100ms",
+		"KUMIKO_READINESS_PROBE_TIMEOUT":  "500ms",
+		"KUMIKO_OUTBOX_POLL_INTERVAL":     "100ms",
+		"KUMIKO_OUTBOX_RETRY_BASE":        "50ms",
+		"KUMIKO_INSTANCE_ID":              "test-" + strings.ReplaceAll(t.Name(), "/", "-"),
 	}
 }
 
