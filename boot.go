@@ -56,10 +56,10 @@ func (a *app) boot(ctx context.Context) error {
 		{"migrationsCheck", t.phase, failExit, a.migrationsCheck},
 		// 10. the Redis client, the heartbeat keys and the dashboard status record, same backoff as the DB (redis.go).
 		{"redisConnect", t.connect, failExit, a.redisConnect},
-		// 11. Meilisearch; when down, warn and let search fall back (search.go).
-		{"searchAdapter", t.phase, failWarn, a.searchAdapter},
-		// 12. the S3 bucket, created when missing; when down, warn and degrade (storage.go).
-		{"fileStorage", t.phase, failWarn, a.fileStorage},
+		// 11. Meilisearch; when down or slow (KUMIKO_OPTIONAL_DEPENDENCY_TIMEOUT), warn and let search fall back (search.go).
+		{"searchAdapter", t.optionalPhase, failWarn, a.searchAdapter},
+		// 12. the S3 bucket, created when missing; when down or slow, warn and degrade (storage.go).
+		{"fileStorage", t.optionalPhase, failWarn, a.fileStorage},
 		// 13. the outbox poller, and the jobs client its deliveries insert into (retried 3x).
 		{"outboxPoller", t.phase, failExit, a.outboxPoller},
 		// 14. River works jobs; the leader election runs the cron scheduler (retried 3x).
@@ -176,7 +176,7 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	log := a.log.WithField("component", "jobs")
 	j, err := newJobs(jobsDeps{cfg: a.cfg.Jobs, softStop: a.timeouts.jobsSoftStop, instanceID: a.cfg.InstanceID,
 		features: a.features, tracer: a.tracing.tracer, metrics: a.metrics, log: log,
-		work: workDeps{db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket, masterKey: a.masterKey, log: log}})
+		work: workDeps{db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket, masterKey: a.masterKey, log: log, call: a.timeouts.jobCall}})
 	if err != nil {
 		return err
 	}

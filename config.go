@@ -113,20 +113,21 @@ type storageConfig struct {
 }
 
 type lifecycleConfig struct {
-	StartupTimeout   time.Duration
-	ShutdownTimeout  time.Duration
-	Linger           time.Duration
-	LingerQuiet      time.Duration
-	DrainReject      string
-	DrainTimeout     time.Duration
-	PhaseTimeout     time.Duration
-	ConnectMaxWait   time.Duration
-	ConnectRetryBase time.Duration
-	ConnectRetryMax  time.Duration
-	Migrations       migrationsConfig
-	LeaderElection   leaderElectionConfig
-	Heartbeat        heartbeatConfig
-	Readiness        readinessConfig
+	StartupTimeout            time.Duration
+	ShutdownTimeout           time.Duration
+	Linger                    time.Duration
+	LingerQuiet               time.Duration
+	DrainReject               string
+	DrainTimeout              time.Duration
+	PhaseTimeout              time.Duration
+	OptionalDependencyTimeout time.Duration
+	ConnectMaxWait            time.Duration
+	ConnectRetryBase          time.Duration
+	ConnectRetryMax           time.Duration
+	Migrations                migrationsConfig
+	LeaderElection            leaderElectionConfig
+	Heartbeat                 heartbeatConfig
+	Readiness                 readinessConfig
 }
 
 type migrationsConfig struct {
@@ -283,6 +284,8 @@ func (c *config) settings() []configSetting {
 			doc: "wait this long for in-flight requests", old: "lifecycle.drainTimeoutSec"},
 		{key: "lifecycle.phaseTimeout", env: "KUMIKO_PHASE_TIMEOUT", def: "30s", value: durationValue{p: &l.PhaseTimeout},
 			doc: "any one boot phase from 2 on, except the connect phases; the shutdown does not use it", old: "lifecycle.phaseTimeoutSec"},
+		{key: "lifecycle.optionalDependencyTimeout", env: "KUMIKO_OPTIONAL_DEPENDENCY_TIMEOUT", def: "2s", value: durationValue{p: &l.OptionalDependencyTimeout},
+			doc: "phases searchAdapter and fileStorage: a Meilisearch or S3 that does not answer within this holds the boot no longer; the phase warns and the boot goes on"},
 		{key: "lifecycle.connectMaxWait", env: "KUMIKO_CONNECT_MAX_WAIT", def: "5m", value: durationValue{p: &l.ConnectMaxWait},
 			doc: "retry window of dbConnect and redisConnect (the boot budget still wins)", old: "lifecycle.connectMaxWaitSec"},
 		{key: "lifecycle.connectRetryBase", env: "KUMIKO_CONNECT_RETRY_BASE", def: "1s", value: durationValue{p: &l.ConnectRetryBase},
@@ -299,7 +302,7 @@ func (c *config) settings() []configSetting {
 		{key: "lifecycle.leaderElection.lockTtl", env: "KUMIKO_LEADER_LOCK_TTL", def: "15s", value: durationValue{p: &l.LeaderElection.LockTTL},
 			doc: "the leader lock expires this long after its last renewal", old: "lifecycle.leaderElection.lockTtlSec"},
 		{key: "lifecycle.leaderElection.renewInterval", env: "KUMIKO_LEADER_RENEW_INTERVAL", def: "5s", value: durationValue{p: &l.LeaderElection.RenewInterval},
-			doc: "the leader renews its lock this often; at most half the lock TTL", old: "lifecycle.leaderElection.heartbeatIntervalSec"},
+			doc: "the leader renews its lock this often (four times as often after a failed renewal); it steps down one interval before the lock can expire, so at most lockTtl/2.2", old: "lifecycle.leaderElection.heartbeatIntervalSec"},
 		{key: "lifecycle.heartbeat.interval", env: "KUMIKO_HEARTBEAT_INTERVAL", def: "5s", value: durationValue{p: &l.Heartbeat.Interval},
 			doc: "workers write `kumiko:heartbeat:<worker>:<instance>` this often", old: "lifecycle.heartbeat.intervalSec"},
 		{key: "lifecycle.heartbeat.ttl", env: "KUMIKO_HEARTBEAT_TTL", def: "10s", value: durationValue{p: &l.Heartbeat.TTL},
@@ -425,11 +428,13 @@ func (c *config) validate() []error {
 	check(l.ConnectRetryBase <= l.ConnectRetryMax,
 		"lifecycle.connectRetryBase (%s) must not exceed connectRetryMax (%s), the cap on a single delay",
 		l.ConnectRetryBase, l.ConnectRetryMax)
-	// Renewing at most every TTL/2 survives one late renewal; renewing every
-	// TTL or less often loses the lock between renewals.
-	check(!le.Enabled || le.RenewInterval < le.LockTTL,
-		"lifecycle.leaderElection.renewInterval (%s) must be less than lockTtl (%s), ideally at most half, "+
-			"or the leader loses the lock between renewals", le.RenewInterval, le.LockTTL)
+	// The leader steps down one renew interval before its lock can expire:
+	// its renew deadline is lockTtl − renewInterval, and, as client-go's
+	// leaderelection requires, it must exceed 1.2 renew intervals, or the
+	// leader steps down before it ever renews.
+	check(!le.Enabled || 5*(le.LockTTL-le.RenewInterval) > 6*le.RenewInterval,
+		"lifecycle.leaderElection: the renew deadline, lockTtl − renewInterval (%s − %s), must exceed 1.2 × renewInterval, "+
+			"or the leader steps down before it ever renews its lock (renewInterval at most lockTtl/2.2)", le.LockTTL, le.RenewInterval)
 	check(c.Outbox.RetryBase <= c.Outbox.RetryMax, "outbox.retryBase (%s) must not exceed retryMax (%s)", c.Outbox.RetryBase, c.Outbox.RetryMax)
 	check(c.HTTP.RateLimit == 0 || c.HTTP.RateBurst >= 1, "http.rateBurst must be at least 1 when http.rateLimit is set")
 	// River rescues a job still running after RescueAfter: a shorter value

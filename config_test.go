@@ -311,9 +311,14 @@ func TestLoadConfigProblems(t *testing.T) {
 			env:  map[string]string{"KUMIKO_HEARTBEAT_INTERVAL": "10s"},
 			want: []string{
 				"lifecycle.connectRetryBase (1m0s) must not exceed connectRetryMax (30s)",
-				"lifecycle.leaderElection.renewInterval (10s) must be less than lockTtl (10s)",
+				"lifecycle.leaderElection: the renew deadline, lockTtl − renewInterval (10s − 10s), must exceed 1.2 × renewInterval",
 				"lifecycle.heartbeat.interval (10s) must be less than ttl (10s)",
 			},
+		},
+		{
+			name: "a leader that would step down before its first renewal",
+			env:  map[string]string{"KUMIKO_LEADER_LOCK_TTL": "3s", "KUMIKO_LEADER_RENEW_INTERVAL": "2s"},
+			want: []string{"lifecycle.leaderElection: the renew deadline, lockTtl − renewInterval (3s − 2s), must exceed 1.2 × renewInterval"},
 		},
 		{
 			name: "bounds declared in the table",

@@ -83,6 +83,15 @@ type workDeps struct {
 	bucket    string
 	masterKey *masterKey
 	log       *logrus.Entry
+	// call bounds one call to a dependency outside the database (Meilisearch,
+	// S3), far below the job's timeout: a hung server fails the attempt,
+	// River retries it later, and the worker is free for the next job.
+	call time.Duration
+}
+
+// external is the context of one call to a dependency outside the database.
+func (d workDeps) external(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, d.call)
 }
 
 // worker is one job kind and the function that works it.

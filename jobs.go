@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
+	"unicode"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/labstack/echo/v4"
@@ -64,14 +65,15 @@ func newJobs(d jobsDeps) (*jobs, error) {
 	}
 	client, err := river.NewClient(riverpgxv5.New(d.work.db), &river.Config{
 		ID:                   d.instanceID,
-		Queues:               map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: int(d.cfg.Workers)}},
+		Queues:               queuesByKind(workerKinds(d.features), int(d.cfg.Workers)),
 		Workers:              workers,
 		FetchPollInterval:    d.cfg.PollInterval,
 		JobTimeout:           d.cfg.Timeout,
 		RescueStuckJobsAfter: d.cfg.RescueAfter,
 		SoftStopTimeout:      d.softStop,
 		Logger:               riverLogger(d.log),
-		Middleware:           []rivertype.Middleware{traceAndCountJobs(d.tracer, d.metrics, j.stopping.Load, d.log)},
+		Middleware: []rivertype.Middleware{traceAndCountJobs(d.tracer, d.metrics, j.stopping.Load, d.log),
+			river.JobInsertMiddlewareFunc(insertIntoKindQueue)},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("creating the River client: %w", err)
@@ -130,6 +132,47 @@ func (h logrusHandler) WithGroup(name string) slog.Handler {
 		h.group += name + "."
 	}
 	return h
+}
+
+// Each job kind has a queue of its own, with its own workers: a dependency
+// that hangs (S3 under the receipts) stalls only the kind that needs it,
+// while the other kinds (the search index) keep being worked. The default
+// queue stays, with the same workers, for jobs inserted without a kind's
+// queue (by an older version, or by hand in SQL).
+func queuesByKind(kinds []string, workers int) map[string]river.QueueConfig {
+	queues := map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: workers}}
+	for _, kind := range kinds {
+		queues[queueOf(kind)] = river.QueueConfig{MaxWorkers: workers}
+	}
+	return queues
+}
+
+// queueOf names a kind's queue in River's spelling: indexOrder → index_order.
+func queueOf(kind string) string {
+	var b strings.Builder
+	for i, r := range kind {
+		if unicode.IsUpper(r) {
+			if i > 0 {
+				b.WriteByte('_')
+			}
+			r = unicode.ToLower(r)
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
+}
+
+// insertIntoKindQueue is River's insert middleware that puts every job in
+// its kind's queue, whoever inserts it (a delivery, the scheduler, an
+// operator), unless the insert names a queue itself.
+func insertIntoKindQueue(ctx context.Context, params []*rivertype.JobInsertParams,
+	doInner func(context.Context) ([]*rivertype.JobInsertResult, error)) ([]*rivertype.JobInsertResult, error) {
+	for _, p := range params {
+		if p.Queue == river.QueueDefault {
+			p.Queue = queueOf(p.Kind)
+		}
+	}
+	return doInner(ctx)
 }
 
 // insertForEvents inserts the jobs the delivered events trigger, in the

@@ -125,9 +125,9 @@ func (e *elector) run(ctx context.Context) {
 	tick := time.NewTicker(e.renew)
 	defer tick.Stop()
 	for {
-		token, value, ok := e.acquire(ctx)
+		token, value, sent, ok := e.acquire(ctx)
 		if ok {
-			e.serve(ctx, stopping, token, value)
+			e.serve(ctx, stopping, token, value, sent)
 		}
 		select {
 		case <-stopping: // first: a tick that is also due must not start another acquisition
@@ -145,28 +145,31 @@ func (e *elector) run(ctx context.Context) {
 
 // acquire tries to take the lock. The fencing token is drawn first, above
 // the fence the database holds, so every acquisition carries a larger token
-// than any leader before it, even after Redis lost its counter. Each call is
-// bounded by e.call: a hung dependency delays a stop by no more.
-func (e *elector) acquire(ctx context.Context) (token int64, value string, ok bool) {
-	ctx, cancel := context.WithTimeout(ctx, e.call)
+// than any leader before it, even after Redis lost its counter. The whole try
+// is bounded by one renew interval (at least e.call), so a slow Redis still
+// elects a leader and a hung one delays a stop by no more. sent is when the
+// SETNX was sent: the lock's TTL runs from no earlier.
+func (e *elector) acquire(ctx context.Context) (token int64, value string, sent time.Time, ok bool) {
+	ctx, cancel := context.WithTimeout(ctx, max(e.renew, e.call))
 	defer cancel()
 	floor, err := e.fence(ctx)
 	if err != nil {
 		// Without the fence a token may be stale; the scheduler cannot work
 		// without the database anyway.
 		e.log.WithError(err).Warn("reading the fencing token from the database")
-		return 0, "", false
+		return 0, "", time.Time{}, false
 	}
 	res, err := drawScript.Run(ctx, e.rdb, []string{leaderTokenKey}, floor).Int64Slice()
 	if err != nil || len(res) != 2 {
 		e.log.WithError(err).Warn("drawing a fencing token")
-		return 0, "", false
+		return 0, "", time.Time{}, false
 	}
 	token = res[0]
 	if res[1] == 1 {
 		e.markFenced(floor, "the Redis token counter was behind the database fence (Redis lost its data): raised it")
 	}
 	value = e.instanceID + ":" + strconv.FormatInt(token, 10)
+	sent = time.Now()
 	ok, err = e.rdb.SetNX(ctx, leaderKey, value, e.ttl).Result()
 	switch {
 	case err != nil:
@@ -179,7 +182,7 @@ func (e *elector) acquire(ctx context.Context) (token int64, value string, ok bo
 	case !ok:
 		e.setFenced(false) // another instance leads; nothing to fix here
 	}
-	return token, value, ok
+	return token, value, sent, ok
 }
 
 // markFenced records that this instance met a fence newer than its token:
@@ -204,11 +207,15 @@ func (e *elector) setFenced(fenced bool) {
 }
 
 // serve leads until the lock is lost, the renew deadline passes or the
-// elector stops. The deadline is when this instance must stop acting: one
-// renew interval before the key could expire, counted from when the last
-// successful renewal was sent, so a leader cut off from Redis steps down
-// before anyone else can take over.
-func (e *elector) serve(ctx context.Context, stopping <-chan struct{}, token int64, value string) {
+// elector stops. As in client-go's leaderelection: the lock lives lockTtl
+// from the last renewal sent (acquired: the SETNX); the leader renews every
+// renewInterval and, after a renewal failed, retries four times as often;
+// its renew deadline is one renewInterval before the lock can expire, and
+// past it this instance stops acting, before anyone else can take over. A
+// renewal may take until that deadline, so a slow Redis keeps its leader.
+// Config validation keeps renewInterval ≤ lockTtl/3: at least two renewals
+// fit before the deadline.
+func (e *elector) serve(ctx context.Context, stopping <-chan struct{}, token int64, value string, acquired time.Time) {
 	log := e.log.WithField("fencing_token", token)
 	e.setLeading(true)
 	// The token was drawn above the fence: leading with it ends a fencing
@@ -217,9 +224,23 @@ func (e *elector) serve(ctx context.Context, stopping <-chan struct{}, token int
 	log.Info("became leader")
 	var leadErr error // written by lead's goroutine, read after it returned
 	leading := e.goOwned(ctx, func(ctx context.Context) { leadErr = e.lead(ctx, token) })
+	// A renewal in flight ends when the stop begins: the lock is released
+	// right after, and a stop must not wait for a slow Redis.
+	renewCtx, cancelRenewals := context.WithCancel(ctx)
+	defer cancelRenewals()
+	watch := e.goOwned(ctx, func(ctx context.Context) {
+		select {
+		case <-stopping:
+			cancelRenewals()
+		case <-ctx.Done():
+		}
+	})
+	defer watch.stop()
 
-	deadline := time.Now().Add(e.ttl - e.renew)
-	renew := time.NewTicker(e.renew)
+	deadline := acquired.Add(e.ttl - e.renew)
+	stepDown := time.NewTimer(time.Until(deadline))
+	defer stepDown.Stop()
+	renew := time.NewTimer(e.renew)
 	defer renew.Stop()
 	reason := ""
 	for reason == "" {
@@ -228,31 +249,30 @@ func (e *elector) serve(ctx context.Context, stopping <-chan struct{}, token int
 			reason = "shutdown"
 		case <-leading.done: // lead gave up on its own: only a fence makes it
 			reason = "fenced"
-		case <-time.After(time.Until(deadline)):
+		case <-stepDown.C:
 			reason = "renew deadline passed"
 		case <-renew.C:
-			if time.Now().After(deadline) { // woke late (e.g. the process was paused)
+			sent := time.Now()
+			if sent.After(deadline) { // woke late (e.g. the process was paused)
 				reason = "renew deadline passed"
 				break
 			}
-			sent := time.Now()
 			// Bounded by the step-down deadline, so a renewal in flight can
-			// never keep this instance leading past it, and by one call's
-			// time, so it cannot hold a stop back either.
-			until := sent.Add(e.call)
-			if deadline.Before(until) {
-				until = deadline
-			}
-			rctx, cancel := context.WithDeadline(ctx, until)
+			// never keep this instance leading past it.
+			rctx, cancel := context.WithDeadline(renewCtx, deadline)
 			n, err := renewScript.Run(rctx, e.rdb, []string{leaderKey}, value, e.ttl.Milliseconds()).Int()
 			cancel()
 			switch {
+			case renewCtx.Err() != nil: // stopping: the next select says so
 			case err != nil:
 				log.WithError(err).Warn("renewing the leader lock")
+				renew.Reset(e.renew / 4)
 			case n == 0:
 				reason = "lock lost"
 			default:
 				deadline = sent.Add(e.ttl - e.renew)
+				stepDown.Reset(time.Until(deadline))
+				renew.Reset(e.renew)
 			}
 		}
 	}

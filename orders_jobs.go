@@ -54,6 +54,8 @@ func indexOrder(d workDeps, ctx context.Context, job *river.Job[indexOrderArgs])
 		return err
 	}
 	pk := "id"
+	ctx, cancel := d.external(ctx)
+	defer cancel()
 	if _, err := d.search.Index(ordersIndex).AddDocuments(ctx, []order{o}, &meilisearch.DocumentOptions{PrimaryKey: &pk}); err != nil {
 		return fmt.Errorf("indexing order %d: %w", o.ID, err)
 	}
@@ -73,6 +75,8 @@ func writeReceipt(d workDeps, ctx context.Context, job *river.Job[writeReceiptAr
 	plain, _ := json.Marshal(o)
 	name := fmt.Sprintf("receipts/%d.sealed", o.ID)
 	sealed := d.masterKey.seal(plain, []byte(name))
+	ctx, cancel := d.external(ctx)
+	defer cancel()
 	_, err = d.storage.PutObject(ctx, d.bucket, name, bytes.NewReader(sealed), int64(len(sealed)),
 		minio.PutObjectOptions{ContentType: "application/octet-stream", UserMetadata: map[string]string{"Key-Id": d.masterKey.id}})
 	if err != nil {
@@ -97,6 +101,8 @@ func writeReport(d workDeps, ctx context.Context, job *river.Job[reportArgs]) er
 		return nil
 	}
 	name := "reports/" + job.Args.ScheduledAt.UTC().Format(time.RFC3339Nano) + ".json"
+	ctx, cancel := d.external(ctx)
+	defer cancel()
 	_, err = d.storage.PutObject(ctx, d.bucket, name, bytes.NewReader(report), int64(len(report)),
 		minio.PutObjectOptions{ContentType: "application/json"})
 	if err != nil {

@@ -65,7 +65,15 @@ type timeouts struct {
 	// renewal, a fence read): a hung dependency costs the loop this, and a
 	// stop waits at most this for a call in flight.
 	backgroundCall time.Duration
-	// readinessProbe: one run of the readiness checks (KUMIKO_READINESS_PROBE_TIMEOUT).
+	// jobCall: one call of a job to Meilisearch or S3, a sixth of the job's
+	// timeout and at most 10 s: a hung server costs an attempt, not the
+	// worker for the whole KUMIKO_JOBS_TIMEOUT.
+	jobCall time.Duration
+	// optionalPhase: phases 11 and 12, an optional dependency at boot
+	// (KUMIKO_OPTIONAL_DEPENDENCY_TIMEOUT): a hung Meilisearch or S3 costs the
+	// boot this, then the phase warns and the boot goes on.
+	optionalPhase time.Duration
+	// readinessProbe: one run of one readiness check (KUMIKO_READINESS_PROBE_TIMEOUT).
 	readinessProbe time.Duration
 	// dbStatement and dbLock bound every statement on the server's side
 	// (statement_timeout, lock_timeout), where no client deadline reaches; a
@@ -122,6 +130,8 @@ func newTimeouts(c config) timeouts {
 		request:        c.HTTP.DependencyTimeout,
 		marker:         c.HTTP.DependencyTimeout / 4,
 		backgroundCall: time.Second,
+		jobCall:        min(10*time.Second, c.Jobs.Timeout/6),
+		optionalPhase:  min(l.OptionalDependencyTimeout, l.PhaseTimeout),
 		readinessProbe: l.Readiness.ProbeTimeout,
 		dbStatement:    c.DB.StatementTimeout,
 		dbLock:         c.DB.LockTimeout,
