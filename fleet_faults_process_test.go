@@ -119,9 +119,16 @@ func TestProcessFleetFaultsThroughHAProxy(t *testing.T) {
 				}
 			})
 		}
+		indexedBefore := meili.count("POST /indexes/orders/documents")
 		end := f.start()
 		answers := orderLoad(client, lb, 50, faultLen)
+		indexedDuring := meili.count("POST /indexes/orders/documents") - indexedBefore
 		end()
+		// Each job kind has its own queue: with S3 hung, the receipts wait
+		// and the search index keeps being written.
+		if f.name == "S3 hung" && indexedDuring == 0 {
+			t.Errorf("S3 hung: no order was indexed in Meilisearch during the fault")
+		}
 		stop()
 		wg.Wait()
 
@@ -308,4 +315,17 @@ backend apps
 		t.Fatalf("haproxy: %v\n%s", err, logTail(filepath.Join(dir, "haproxy.log")))
 	}
 	return "http://" + addr
+}
+
+// count is how often call ("METHOD /path") reached the double.
+func (d *meiliDouble) count(call string) int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n := 0
+	for _, c := range d.calls {
+		if c == call {
+			n++
+		}
+	}
+	return n
 }

@@ -12,6 +12,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
 )
 
 const testAdminToken = "test-admin-token-0123456789"
@@ -494,5 +496,26 @@ func TestProcessOutboxRetention(t *testing.T) {
 		FROM river_job WHERE kind = 'purgeOutbox' GROUP BY 1) t`).Scan(&dup, &unfenced)
 	if dup != 0 || unfenced != 0 {
 		t.Errorf("%d purge ticks enqueued more than once, %d without a leader's fencing token", dup, unfenced)
+	}
+}
+
+// Every job kind has its own queue, named in River's spelling, and an insert
+// that names no queue lands in its kind's.
+func TestJobKindsHaveQueuesOfTheirOwn(t *testing.T) {
+	for kind, want := range map[string]string{"indexOrder": "index_order", "writeReceipt": "write_receipt", "report": "report", "purgeOutbox": "purge_outbox"} {
+		if got := queueOf(kind); got != want {
+			t.Errorf("queueOf(%q) = %q, want %q", kind, got, want)
+		}
+	}
+	queues := queuesByKind([]string{"indexOrder", "writeReceipt"}, 3)
+	if len(queues) != 3 || queues["index_order"].MaxWorkers != 3 || queues[river.QueueDefault].MaxWorkers != 3 {
+		t.Errorf("queues %+v", queues)
+	}
+	params := []*rivertype.JobInsertParams{{Kind: "writeReceipt", Queue: river.QueueDefault}, {Kind: "report", Queue: "elsewhere"}}
+	if _, err := insertIntoKindQueue(context.Background(), params, func(context.Context) ([]*rivertype.JobInsertResult, error) { return nil, nil }); err != nil {
+		t.Fatal(err)
+	}
+	if params[0].Queue != "write_receipt" || params[1].Queue != "elsewhere" {
+		t.Errorf("queues after the middleware: %q, %q", params[0].Queue, params[1].Queue)
 	}
 }
