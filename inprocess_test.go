@@ -5,11 +5,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -76,11 +79,15 @@ func startInProcess(t testing.TB, env map[string]string) *inProcess {
 	a := newApp(func(k string) string { return env[k] }, logs)
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &inProcess{app: a, logs: logs, cancel: cancel, done: make(chan error, 1)}
-	go func() { s.done <- a.serve(ctx) }()
+	// Every goroutine the service starts, directly or through a library,
+	// inherits this label: after the drain none may be left.
+	label := pprof.Labels(appLabel, fmt.Sprintf("%s#%d", t.Name(), inProcessStarts.Add(1)))
+	go pprof.Do(ctx, label, func(ctx context.Context) { s.done <- a.serve(ctx) })
 	t.Cleanup(func() {
 		cancel()
 		select {
 		case <-s.done:
+			checkNoGoroutineLeft(t, label)
 		case <-time.After(15 * time.Second):
 			t.Error("in-process service did not stop")
 		}
@@ -93,6 +100,46 @@ func startInProcess(t testing.TB, env map[string]string) *inProcess {
 		t.Fatalf("service state %s, logs:\n%s", a.lc.State(), logs.String())
 	}
 	return s
+}
+
+// appLabel is the pprof label that marks the goroutines of one in-process
+// service; inProcessStarts numbers the services a test binary starts.
+const appLabel = "kumikoApp"
+
+var inProcessStarts atomic.Int64
+
+// checkNoGoroutineLeft fails t when a goroutine of the service labelled
+// label outlives its drain, and prints each one's stack. A goroutine may
+// take a moment to return after the drain ended (an abandoned call's
+// grace), so it waits up to 5 s for them to go.
+func checkNoGoroutineLeft(t testing.TB, label pprof.LabelSet) {
+	t.Helper()
+	var want string
+	pprof.ForLabels(pprof.WithLabels(context.Background(), label), func(k, v string) bool {
+		want = fmt.Sprintf("%q:%q", k, v)
+		return false
+	})
+	var left []string
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		left = left[:0]
+		var buf bytes.Buffer
+		pprof.Lookup("goroutine").WriteTo(&buf, 1)
+		for group := range strings.SplitSeq(buf.String(), "\n\n") {
+			// os/signal's one loop per process takes the labels of
+			// whoever called signal.Notify first, and lives on by design.
+			if strings.Contains(group, want) && !strings.Contains(group, "os/signal.loop") {
+				left = append(left, group)
+			}
+		}
+		if len(left) == 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond) // polling the runtime: no event says a goroutine returned
+	}
+	if len(left) > 0 {
+		t.Errorf("goroutines of the service left after its drain:\n%s", strings.Join(left, "\n\n"))
+	}
 }
 
 // stop asks for a shutdown the way SIGTERM does and returns serve's error.

@@ -235,6 +235,7 @@ func TestAlertRulesUseRealMetrics(t *testing.T) {
 	// Children of vector metrics appear in Gather once they have a value.
 	m.panics.WithLabelValues("x")
 	m.state.WithLabelValues("ready")
+	m.readinessOK.WithLabelValues("db")
 	newHeartbeats(nil, "x", time.Second, time.Second, m, testReadiness(t, newTestLifecycle(), m, time.Second, time.Second)).RegisterHeartbeat("outbox", "").last.Store(1)
 	families, _ := m.registry.Gather()
 	known := map[string]bool{}
