@@ -62,16 +62,17 @@ type route struct {
 
 // routeDeps is what route handlers are built from, in phase 15.
 type routeDeps struct {
-	cfg      config
-	timeouts timeouts
-	lc       *Lifecycle
-	db       *pgxpool.Pool
-	redis    *redis.Client
-	search   meilisearch.ServiceManager // nil: not configured or not reachable at boot
-	jobs     *jobs
-	sse      *sseHub
-	metrics  *metrics
-	log      *logrus.Logger
+	cfg       config
+	timeouts  timeouts
+	lc        *Lifecycle
+	db        *pgxpool.Pool
+	redis     *redis.Client
+	search    meilisearch.ServiceManager // nil: not configured or not reachable at boot
+	jobs      *jobs
+	sse       *sseHub
+	masterKey *masterKey
+	metrics   *metrics
+	log       *logrus.Logger
 }
 
 // workDeps is what job workers use, from phase 13 on; search and storage may
