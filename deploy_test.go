@@ -65,7 +65,7 @@ func TestDockerCompose(t *testing.T) {
 				env[k] = *v
 			}
 		}
-		cfg, err := loadConfig(func(k string) string { return env[k] }, func(string) ([]byte, error) { return nil, os.ErrNotExist })
+		cfg, err := loadConfig(func(k string) string { return env[k] }, environOf(env), func(string) ([]byte, error) { return nil, os.ErrNotExist })
 		if err != nil {
 			t.Errorf("%s's environment is not a valid config: %v", name, err)
 		} else if _, err := decodeMasterKey(cfg.MasterKey, "compose"); err != nil {
@@ -173,6 +173,10 @@ func TestKubernetesManifests(t *testing.T) {
 
 	d := defaultConfig()
 	spec := deploy.Spec
+	// Service links would set variables named after the Service, under the service's own prefix.
+	if links := spec.Template.Spec.EnableServiceLinks; links == nil || *links {
+		t.Errorf("the Deployment keeps Kubernetes' service-link variables, which stop the boot (config.unknownEnv); set enableServiceLinks: false")
+	}
 	if *spec.Replicas != 2 || spec.Strategy.RollingUpdate.MaxUnavailable.IntValue() != 0 {
 		t.Errorf("want 2 replicas and maxUnavailable 0")
 	}
@@ -214,7 +218,7 @@ func TestKubernetesManifests(t *testing.T) {
 	file := configMap.Data["kumiko.config.yaml"]
 	cfg, err := loadConfig(func(k string) string {
 		return map[string]string{"KUMIKO_CONFIG": "/etc/kumiko/kumiko.config.yaml", "DATABASE_URL": "postgres://x@db/x", "REDIS_URL": "redis://r"}[k]
-	}, func(string) ([]byte, error) { return []byte(file), nil })
+	}, nil, func(string) ([]byte, error) { return []byte(file), nil })
 	if err != nil {
 		t.Fatalf("the ConfigMap's kumiko.config.yaml: %v", err)
 	}
