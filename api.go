@@ -38,7 +38,7 @@ func addOpsRoutes(e *echo.Echo, rd *readiness, m *metrics, hc httpConfig, adminT
 	// balancers probe with either.
 	e.Match(getHead(), "/health", handleLive())
 	e.Match(getHead(), "/health/ready", handleReady(rd, true))
-	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{Registry: m.registry})))
+	e.Match(getHead(), "/metrics", echo.WrapHandler(promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{Registry: m.registry})))
 	if adminToken != "" { // no token configured: admin routes are off, not open
 		addPprofRoutes(e.Group("/debug/pprof", requireBearer(adminToken)))
 	}
@@ -56,7 +56,7 @@ type adminTree struct{ current atomic.Pointer[echo.Echo] }
 func (t *adminTree) mount(e *echo.Echo, adminToken string, budget time.Duration, lc *Lifecycle, routes func(*echo.Group)) {
 	if adminToken != "" {
 		g := e.Group("/admin", requireBearer(adminToken), withDeadline(budget))
-		g.GET("/lifecycle", handleTimeline(lc))
+		g.Match(getHead(), "/lifecycle", handleTimeline(lc))
 		routes(g)
 	}
 	t.current.Store(e)
@@ -77,12 +77,15 @@ func adminStarting(g *echo.Group) {
 // features' admin routes.
 func adminRoutes(rdb *redis.Client, j *jobs, features []feature, d routeDeps) func(*echo.Group) {
 	return func(g *echo.Group) {
-		g.GET("/workers", handleWorkers(rdb))
+		g.Match(getHead(), "/workers", handleWorkers(rdb))
 		g.POST("/jobs/:name/run", handleRunJob(j))
 		for _, f := range features {
 			for _, r := range f.routes {
 				if r.admin {
-					g.Add(r.method, strings.TrimPrefix(r.path, "/admin"), r.handler(d))
+					h := r.handler(d)
+					for _, method := range r.methods() {
+						g.Add(method, strings.TrimPrefix(r.path, "/admin"), h)
+					}
 				}
 			}
 		}
@@ -131,13 +134,25 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 			if !r.streaming {
 				chain = append(chain, bodyReadDeadline(hc.ReadTimeout), trackInFlight(inFlight, m), traceRequests(tracer))
 			}
-			e.Add(r.method, r.path, r.handler(d), chain...)
+			h := r.handler(d)
+			for _, method := range r.methods() {
+				e.Add(method, r.path, h, chain...)
+			}
 		}
 	}
 }
 
 // getHead is the methods of a route that HEAD must answer like GET.
 func getHead() []string { return []string{http.MethodGet, http.MethodHead} }
+
+// methods is what a feature route answers: a GET answers HEAD too (net/http
+// sends the headers and drops the body), as RFC 9110 asks of every GET.
+func (r route) methods() []string {
+	if r.method == http.MethodGet {
+		return getHead()
+	}
+	return []string{r.method}
+}
 
 // ---------------------------------------------------------------------------
 // Servers
@@ -371,20 +386,36 @@ func admitWhenServing(lc *Lifecycle, rejecting *atomic.Bool) echo.MiddlewareFunc
 	}
 }
 
-// requireBearer compares SHA-256 digests of the header and of the expected
-// value: both are always 32 bytes, so the comparison time does not tell the
-// token's length (ConstantTimeCompare returns at once on a length mismatch).
+// requireBearer compares SHA-256 digests of the presented token and of the
+// expected one: both are always 32 bytes, so the comparison time does not
+// tell the token's length (ConstantTimeCompare returns at once on a length
+// mismatch).
 func requireBearer(token string) echo.MiddlewareFunc {
-	want := sha256.Sum256([]byte("Bearer " + token))
+	want := sha256.Sum256([]byte(token))
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
-			got := sha256.Sum256([]byte(c.Request().Header.Get(echo.HeaderAuthorization)))
+			presented, _ := bearerToken(c.Request())
+			got := sha256.Sum256([]byte(presented))
 			if subtle.ConstantTimeCompare(got[:], want[:]) != 1 {
+				c.Response().Header().Set(echo.HeaderWWWAuthenticate, "Bearer")
 				return apiError(http.StatusUnauthorized, "unauthorized", "admin routes need Authorization: Bearer <KUMIKO_ADMIN_TOKEN>")
 			}
 			return next(c)
 		}
 	}
+}
+
+// bearerToken is the token of an Authorization: Bearer header, and whether
+// there is one. The scheme is matched case-insensitively and may be followed
+// by more than one space (RFC 9110 §11.1, §11.4): "bearer x" is the same
+// credential as "Bearer x". An empty token is no token.
+func bearerToken(r *http.Request) (string, bool) {
+	scheme, token, found := strings.Cut(r.Header.Get(echo.HeaderAuthorization), " ")
+	token = strings.TrimLeft(token, " ")
+	if !found || !strings.EqualFold(scheme, "Bearer") || token == "" {
+		return "", false
+	}
+	return token, true
 }
 
 // ---------------------------------------------------------------------------

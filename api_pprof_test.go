@@ -43,9 +43,16 @@ func TestPprofNeedsTheAdminToken(t *testing.T) {
 		if code, body := get(on.URL+path, "Bearer wrong"); code != http.StatusUnauthorized {
 			t.Errorf("%s with a wrong token: %d %s, want 401", path, code, body)
 		}
-		code, body := get(on.URL+path, "Bearer "+testAdminToken)
-		if code != http.StatusOK || body == "" {
-			t.Errorf("%s with the token: %d %.200s, want 200 and a body", path, code, body)
+		// The scheme is case-insensitive (RFC 9110 §11.1) and may be followed by more than one space.
+		for _, auth := range []string{"Bearer " + testAdminToken, "bearer " + testAdminToken, "BEARER  " + testAdminToken} {
+			if code, body := get(on.URL+path, auth); code != http.StatusOK || body == "" {
+				t.Errorf("%s with %q: %d %.200s, want 200 and a body", path, auth, code, body)
+			}
+		}
+		for _, auth := range []string{testAdminToken, "Bearer", "Bearer ", "Basic " + testAdminToken, "Bearer " + testAdminToken + "x", "Bearertoken " + testAdminToken} {
+			if code, body := get(on.URL+path, auth); code != http.StatusUnauthorized {
+				t.Errorf("%s with %q: %d %.200s, want 401", path, auth, code, body)
+			}
 		}
 	}
 	if code, body := get(on.URL+"/debug/pprof/goroutine?debug=1", "Bearer "+testAdminToken); !strings.Contains(body, "goroutine profile") {

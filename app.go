@@ -35,6 +35,7 @@ var version = "dev"
 // first block is set by exactly one phase (boot.go).
 type app struct {
 	getenv  func(string) string
+	environ []string // every variable getenv may answer, "NAME=value"
 	born    time.Time
 	log     *logrus.Logger
 	metrics *metrics
@@ -62,11 +63,11 @@ type app struct {
 	rejecting  atomic.Bool                // KUMIKO_DRAIN_REJECT=retry-after, from closeListener on: new API requests get 503
 }
 
-func newApp(getenv func(string) string, stdout io.Writer) *app {
+func newApp(getenv func(string) string, environ []string, stdout io.Writer) *app {
 	born := time.Now()
 	log := newLogger(stdout, getenv("KUMIKO_LOG_FORMAT"))
 	m := newMetrics()
-	a := &app{getenv: getenv, born: born, log: log, metrics: m, lc: newLifecycle(log, m, born),
+	a := &app{getenv: getenv, environ: environ, born: born, log: log, metrics: m, lc: newLifecycle(log, m, born),
 		timeouts: newTimeouts(defaultConfig())} // until phase 1 has read the config
 	a.stop = newStopper(log)
 	return a

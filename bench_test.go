@@ -32,7 +32,7 @@ func benchEnv(b *testing.B) (map[string]string, string) {
 		"KUMIKO_LINGER":     "0",
 	}
 	getenv := func(k string) string { return env[k] }
-	if err := run(context.Background(), []string{serviceName, "migrate", "up"}, getenv, discard{}, discard{}); err != nil {
+	if err := run(context.Background(), []string{serviceName, "migrate", "up"}, getenv, nil, discard{}, discard{}); err != nil {
 		b.Fatal(err)
 	}
 	return env, "http://" + env["KUMIKO_OPS_ADDR"]

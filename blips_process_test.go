@@ -29,6 +29,7 @@ type answer struct {
 	status     int
 	retryAfter string
 	id         string // the order's id, for a 201
+	token      string // the order's read token, for a 201
 	took       time.Duration
 	err        error // no answer at all
 }
@@ -48,11 +49,12 @@ func do(client *http.Client, req *http.Request) answer {
 	}
 	defer resp.Body.Close()
 	var body struct {
-		ID string `json:"id"`
+		ID        string `json:"id"`
+		ReadToken string `json:"readToken"`
 	}
 	raw, _ := io.ReadAll(resp.Body)
 	_ = json.Unmarshal(raw, &body)
-	return answer{status: resp.StatusCode, retryAfter: resp.Header.Get("Retry-After"), id: body.ID, took: time.Since(start)}
+	return answer{status: resp.StatusCode, retryAfter: resp.Header.Get("Retry-After"), id: body.ID, token: body.ReadToken, took: time.Since(start)}
 }
 
 // concurrently runs n calls of fn at once and returns their answers.

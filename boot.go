@@ -81,7 +81,7 @@ func (a *app) boot(ctx context.Context) error {
 // config is phase 1. The final log format and the secret scrubbing apply
 // before the phase's own log line, so even that line is in the right shape.
 func (a *app) config(ctx context.Context, p *phaseRun) error {
-	cfg, err := loadConfig(a.getenv, os.ReadFile)
+	cfg, err := loadConfig(a.getenv, a.environ, os.ReadFile)
 	if err != nil {
 		return err
 	}
@@ -94,6 +94,10 @@ func (a *app) config(ctx context.Context, p *phaseRun) error {
 	for _, d := range cfg.deprecated {
 		a.log.WithFields(logrus.Fields{"component": "config", "file": d.file, "line": d.line, "key": d.key, "use": d.use}).
 			Warn("deprecated config key")
+	}
+	for _, u := range cfg.unknownEnv { // KUMIKO_UNKNOWN_ENV=warn
+		a.log.WithFields(logrus.Fields{"component": "config", "name": u.name, "closest": u.closest}).
+			Warn("environment variable read by no setting")
 	}
 	return nil
 }
@@ -244,7 +248,7 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	e := newEcho(a.log, a.metrics, "api")
 	e.IPExtractor = clientIPExtractor(a.cfg.HTTP.TrustedProxies)
 	deps := routeDeps{cfg: a.cfg, timeouts: a.timeouts, lc: a.lc, db: a.db, redis: a.redis, search: a.search,
-		jobs: a.jobs, sse: hub, metrics: a.metrics, log: a.log}
+		jobs: a.jobs, sse: hub, masterKey: a.masterKey, metrics: a.metrics, log: a.log}
 	addAPIRoutes(e, a.lc, a.health, a.features, deps, a.cfg.HTTP, &a.inFlight, &a.rejecting, a.tracing.tracer)
 	api, err := listenHTTP("api", a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP, a.log, a.serverFailed)
 	if err != nil {

@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -19,6 +20,10 @@ import (
 
 // configFileName is read from the working directory when KUMIKO_CONFIG is unset.
 const configFileName = "kumiko.config.yaml"
+
+// envPrefix begins the name of every environment variable the service owns:
+// one it does not know is a mistake (loadConfig), not something to ignore.
+const envPrefix = "KUMIKO_"
 
 // config is the service configuration. loadConfig fills it from, in rising
 // precedence, built-in defaults, kumiko.config.yaml and the environment.
@@ -42,9 +47,13 @@ type config struct {
 	Jobs          jobsConfig
 	HTTP          httpConfig
 	Lifecycle     lifecycleConfig
+	UnknownEnv    string // what a KUMIKO_ variable no setting reads does: "error" or "warn"
 
 	// deprecated lists the old file keys that were read, for phase 1 to warn about.
 	deprecated []deprecatedKey
+	// unknownEnv lists the unknown KUMIKO_ variables that were set, for phase
+	// 1 to warn about when UnknownEnv is "warn".
+	unknownEnv []unknownVar
 }
 
 // dbConfig bounds every statement on the server's side, where a client's
@@ -174,6 +183,8 @@ func (c *config) settings() []configSetting {
 			doc: "names this replica in leader election, heartbeats and logs; empty: the host name plus a random suffix"},
 		{key: "log.format", env: "KUMIKO_LOG_FORMAT", def: "text", value: choiceValue{p: &c.LogFormat, allowed: []string{"text", "json"}},
 			doc: "log line format"},
+		{key: "config.unknownEnv", env: "KUMIKO_UNKNOWN_ENV", def: "error", value: choiceValue{p: &c.UnknownEnv, allowed: []string{"error", "warn"}},
+			doc: "a KUMIKO_ variable no setting reads (a typo) stops the boot; warn: boot and log it, where others share the prefix"},
 
 		{key: "http.addr", env: "KUMIKO_HTTP_ADDR", def: ":8080", value: addrValue{p: &c.HTTPAddr},
 			doc: "the API listener, bound in phase 15"},
@@ -339,9 +350,10 @@ type deprecatedKey struct {
 // loadConfig builds the config from defaults, the optional file and the
 // environment, and reports every problem it finds in one error, one per line.
 // An empty environment variable counts as unset. The environment is read only
-// through getenv and files only through readFile (os.ReadFile in production),
-// so tests can pass fakes.
-func loadConfig(getenv func(string) string, readFile func(string) ([]byte, error)) (config, error) {
+// through getenv and environ (its "NAME=value" lines, for the names it
+// holds), files only through readFile (os.ReadFile in production), so tests
+// can pass fakes.
+func loadConfig(getenv func(string) string, environ []string, readFile func(string) ([]byte, error)) (config, error) {
 	c := defaultConfig()
 	fileName, fromFile, problems := readConfigFile(getenv, readFile)
 
@@ -374,6 +386,16 @@ func loadConfig(getenv func(string) string, readFile func(string) ([]byte, error
 	}
 	if c.InstanceID == "" {
 		c.InstanceID = defaultInstanceID(getenv)
+	}
+	// A misspelt variable would otherwise do nothing, silently: refused like
+	// an unknown file key, unless the operator chose to share the prefix.
+	for _, u := range unknownEnvVars(environ, c.settings()) {
+		if c.UnknownEnv == "warn" {
+			c.unknownEnv = append(c.unknownEnv, u)
+			continue
+		}
+		problems = append(problems, fmt.Errorf("%s is set, but no setting reads it (the closest is %s); "+
+			"KUMIKO_UNKNOWN_ENV=warn boots anyway, where other tools share the %s prefix", u.name, u.closest, envPrefix))
 	}
 	problems = append(problems, c.validate()...)
 
@@ -520,8 +542,10 @@ func readConfigFile(getenv func(string) string, readFile func(string) ([]byte, e
 	}
 
 	leaves, sections := map[string]bool{}, map[string]bool{}
+	var keys []string // the current names, for a hint
 	var c config
 	for _, s := range c.settings() {
+		keys = append(keys, s.key)
 		for _, key := range []string{s.key, s.old} {
 			if key == "" {
 				continue
@@ -547,7 +571,7 @@ func readConfigFile(getenv func(string) string, readFile func(string) ([]byte, e
 			case sections[path]:
 				walk(path+".", val)
 			case !leaves[path]:
-				problems = append(problems, fmt.Errorf("%s: line %d: unknown key %s", name, key.Line, path))
+				problems = append(problems, fmt.Errorf("%s: line %d: unknown key %s (the closest is %s)", name, key.Line, path, closestName(path, keys)))
 			case val.Kind != yaml.ScalarNode:
 				problems = append(problems, fmt.Errorf("%s: line %d: %s: expected a single value, not a list or mapping", name, val.Line, path))
 			case val.Tag != "!!null":
@@ -559,4 +583,71 @@ func readConfigFile(getenv func(string) string, readFile func(string) ([]byte, e
 		walk("", doc.Content[0])
 	}
 	return name, values, problems
+}
+
+// Unknown environment variables.
+
+// unknownVar is a KUMIKO_ variable that was set and that no setting reads,
+// with the name of the setting that is spelt most like it.
+type unknownVar struct{ name, closest string }
+
+// toolingEnv is the KUMIKO_ variables the project's tests and scripts read,
+// not the service: a shell or CI job that exports them (.ci/run exports
+// KUMIKO_REQUIRE_SERVICES) still starts the service. TestEnvNamesInTheTree
+// keeps the list complete.
+func toolingEnv() []string {
+	return []string{"KUMIKO_BENCH_BINARY", "KUMIKO_FLEET_FAULT", "KUMIKO_FUZZTIME", "KUMIKO_K8S_CACHE", "KUMIKO_K8S_SMOKE",
+		"KUMIKO_REGENERATE", "KUMIKO_REQUIRE_SERVICES", "KUMIKO_SCREENSHOT", "KUMIKO_TEST_REDIS_OUTAGE"}
+}
+
+// unknownEnvVars is every non-empty variable in environ under envPrefix that
+// neither a setting, KUMIKO_CONFIG nor the tooling reads, in environ's order.
+func unknownEnvVars(environ []string, settings []configSetting) []unknownVar {
+	known := []string{"KUMIKO_CONFIG"}
+	for _, s := range settings {
+		if strings.HasPrefix(s.env, envPrefix) {
+			known = append(known, s.env)
+		}
+	}
+	var unknown []unknownVar
+	for _, kv := range environ {
+		name, value, _ := strings.Cut(kv, "=")
+		if strings.HasPrefix(name, envPrefix) && value != "" && !slices.Contains(known, name) && !slices.Contains(toolingEnv(), name) {
+			unknown = append(unknown, unknownVar{name: name, closest: closestName(name, known)})
+		}
+	}
+	return unknown
+}
+
+// closestName is the name in names nearest to name by edit distance, for a
+// "did you mean" hint; a tie goes to the earlier name.
+func closestName(name string, names []string) string {
+	best, bestDistance := "", -1
+	for _, n := range names {
+		if d := editDistance(name, n); bestDistance < 0 || d < bestDistance {
+			best, bestDistance = n, d
+		}
+	}
+	return best
+}
+
+// editDistance is the Levenshtein distance of a and b: the fewest inserted,
+// deleted or replaced bytes that turn one into the other.
+func editDistance(a, b string) int {
+	prev, cur := make([]int, len(b)+1), make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			replace := prev[j-1]
+			if a[i-1] != b[j-1] {
+				replace++
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, replace)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
 }

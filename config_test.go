@@ -1,11 +1,13 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
 	"io/fs"
 	"os"
+	"path/filepath"
 	"reflect"
 	"regexp"
 	"slices"
@@ -49,7 +51,7 @@ func loadTestConfig(env map[string]string, yaml string) (config, error) {
 	if yaml != "" {
 		files[configFileName] = yaml
 	}
-	return loadConfig(fakeGetenv(env), fakeReadFile(files))
+	return loadConfig(fakeGetenv(env), environOf(env), fakeReadFile(files))
 }
 
 // configProblems splits a loadConfig error into its problems, one per line,
@@ -180,14 +182,23 @@ func TestLoadConfigProblems(t *testing.T) {
 		{
 			name: "unknown key names the key and line",
 			file: "http:\n  addr: \":8081\"\nlifecycle:\n  lingerSecs: 3\n",
-			want: []string{"kumiko.config.yaml: line 4: unknown key lifecycle.lingerSecs"},
+			want: []string{"kumiko.config.yaml: line 4: unknown key lifecycle.lingerSecs (the closest is lifecycle.linger)"},
+		},
+		{
+			// Spelt here in two parts, so TestEnvNamesInTheTree does not take the typo for a name.
+			name: "an unknown KUMIKO_ variable names the closest setting",
+			env:  map[string]string{"KUMIKO_" + "LINGERR": "1s", "KUMIKO_" + "MIGRATION_MODE": "auto-apply"},
+			want: []string{
+				"KUMIKO_" + "LINGERR is set, but no setting reads it (the closest is KUMIKO_LINGER); KUMIKO_UNKNOWN_ENV=warn boots anyway",
+				"KUMIKO_" + "MIGRATION_MODE is set, but no setting reads it (the closest is KUMIKO_MIGRATIONS_MODE)",
+			},
 		},
 		{
 			name: "three mistakes at once",
 			file: "lifecycle:\n  lingerSecs: 3\n",
 			env:  map[string]string{"KUMIKO_LINGER": "soon", "KUMIKO_MIGRATIONS_MODE": "yolo"},
 			want: []string{
-				"kumiko.config.yaml: line 2: unknown key lifecycle.lingerSecs",
+				"kumiko.config.yaml: line 2: unknown key lifecycle.lingerSecs (the closest is lifecycle.linger)",
 				`KUMIKO_LINGER: time: invalid duration "soon"`,
 				`KUMIKO_MIGRATIONS_MODE: "yolo" is not one of exit-on-pending, auto-apply, warn-on-pending`,
 			},
@@ -409,7 +420,7 @@ func TestLoadConfigFileLocation(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			getenv := fakeGetenv(map[string]string{"KUMIKO_CONFIG": tt.configEnv})
-			c, err := loadConfig(getenv, tt.readFile)
+			c, err := loadConfig(getenv, nil, tt.readFile)
 			if tt.wantErr != nil {
 				if !errors.Is(err, tt.wantErr) {
 					t.Fatalf("loadConfig error = %v, want %v", err, tt.wantErr)
@@ -635,7 +646,7 @@ func TestDeprecatedKeyIsLogged(t *testing.T) {
 		t.Fatal(err)
 	}
 	logs := &syncBuffer{}
-	a := newApp(fakeGetenv(map[string]string{"KUMIKO_LOG_FORMAT": "json"}), logs)
+	a := newApp(fakeGetenv(map[string]string{"KUMIKO_LOG_FORMAT": "json"}), nil, logs)
 	if err := a.config(t.Context(), nil); err != nil {
 		t.Fatalf("loadConfig: %v", err)
 	}
@@ -796,4 +807,87 @@ func exampleConfig() string {
 		fmt.Fprintf(&b, "%-28s # %s — %s\n", strings.Repeat("  ", len(sections))+leaf+": "+value, comment, s.doc)
 	}
 	return b.String()
+}
+
+// environOf is env as os.Environ lines, for loadConfig's environ.
+func environOf(env map[string]string) []string {
+	var environ []string
+	for k, v := range env {
+		environ = append(environ, k+"="+v)
+	}
+	return environ
+}
+
+// An unknown KUMIKO_ variable stops the boot (TestLoadConfigProblems) unless
+// it is empty, read by the project's own tooling, or the operator chose
+// KUMIKO_UNKNOWN_ENV=warn; then phase 1 logs it. Other variables are not the
+// service's business.
+func TestUnknownEnvironmentVariables(t *testing.T) {
+	typo := "KUMIKO_" + "LINGERR" // in two parts: TestEnvNamesInTheTree
+	for _, env := range []map[string]string{
+		{typo: ""},
+		{"KUMIKO_REQUIRE_SERVICES": "1", "KUMIKO_FUZZTIME": "10x"},
+		{"LINGER": "1s", "PATH": "/bin", "KUMIKOLINGER": "1s"},
+		{"KUMIKO_CONFIG": "", "KUMIKO_LINGER": "1s"},
+	} {
+		if _, err := loadTestConfig(env, ""); err != nil {
+			t.Errorf("%v: %v", env, err)
+		}
+	}
+	c, err := loadTestConfig(map[string]string{typo: "1s", "KUMIKO_UNKNOWN_ENV": "warn"}, "")
+	if err != nil || len(c.unknownEnv) != 1 || c.unknownEnv[0] != (unknownVar{name: typo, closest: "KUMIKO_LINGER"}) {
+		t.Fatalf("KUMIKO_UNKNOWN_ENV=warn: %+v %v, want the typo kept for phase 1's warning", c.unknownEnv, err)
+	}
+	if _, err := loadTestConfig(map[string]string{typo: "1s"}, "config:\n  unknownEnv: warn\n"); err != nil {
+		t.Errorf("config.unknownEnv: warn in the file: %v", err)
+	}
+
+	logs := &syncBuffer{}
+	a := newApp(fakeGetenv(map[string]string{typo: "1s", "KUMIKO_UNKNOWN_ENV": "warn", "KUMIKO_LOG_FORMAT": "json"}),
+		[]string{typo + "=1s", "KUMIKO_UNKNOWN_ENV=warn"}, logs)
+	if err := a.config(context.Background(), &phaseRun{}); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(logs.String(), `"closest":"KUMIKO_LINGER"`) || !strings.Contains(logs.String(), `"name":"`+typo+`"`) {
+		t.Errorf("phase 1 did not warn about %s:\n%s", typo, logs.String())
+	}
+}
+
+// Every KUMIKO_ name in the tree is a setting, KUMIKO_CONFIG or a variable of
+// the tooling (toolingEnv): a name the service does not know would stop it
+// from booting wherever a script or a manifest sets it.
+func TestEnvNamesInTheTree(t *testing.T) {
+	known := map[string]bool{"KUMIKO_CONFIG": true}
+	c := defaultConfig()
+	for _, s := range c.settings() {
+		known[s.env] = true
+	}
+	for _, n := range toolingEnv() {
+		known[n] = true
+	}
+	name := regexp.MustCompile(envPrefix + `[A-Z0-9_]*[A-Z0-9]`)
+	err := filepath.WalkDir(".", func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && (strings.HasPrefix(d.Name(), ".") && path != "." && d.Name() != ".ci" || d.Name() == "testdata") {
+			return filepath.SkipDir
+		}
+		if d.IsDir() || !(slices.Contains([]string{".go", ".sh", ".md", ".yml", ".yaml", ".cfg", ".html"}, filepath.Ext(path)) || d.Name() == "Dockerfile" || d.Name() == "run") {
+			return nil
+		}
+		raw, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		for _, n := range name.FindAllString(string(raw), -1) {
+			if !known[n] {
+				t.Errorf("%s names %s, which is neither a setting nor in toolingEnv", path, n)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 }

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"errors"
 	"fmt"
 	"time"
 
@@ -12,17 +11,18 @@ import (
 // descriptors such as @hourly or @every 10s, and a CRON_TZ=<zone> prefix.
 var cronParser = cron.NewParser(cron.SecondOptional | cron.Minute | cron.Hour | cron.Dom | cron.Month | cron.Dow | cron.Descriptor)
 
-// maxCronGap is how far ahead a schedule's next tick may lie. robfig gives up
-// after five years and returns the zero time; a spec such as "0 0 30 2 *"
-// (30 February) never matches at all. Either is a configuration mistake the
-// boot refuses, not a schedule to wait for.
+// maxCronGap bounds how far back previousTick looks for a tick, twice over:
+// an accepted spec ticks in every calendar year (checkSpec, cron_spec.go),
+// so its ticks are never much more than a year apart. robfig gives up after
+// five years and returns the zero time.
 const maxCronGap = 366 * 24 * time.Hour
 
 // parseSchedule turns a cron spec into the schedule the scheduler runs: an
 // "@every" interval aligned to multiples of itself, a spec in a time zone
 // with the DST rule of wallClock. It refuses a spec that does not parse,
-// names a time zone that does not exist, or has no tick within a year of now.
-func parseSchedule(spec string, now time.Time) (cron.Schedule, error) {
+// names a time zone that does not exist, or does not mean what it says
+// (checkSpec) — the same way on any day.
+func parseSchedule(spec string) (cron.Schedule, error) {
 	parsed, err := cronParser.Parse(spec)
 	if err != nil {
 		return nil, err // robfig names the field or the time zone
@@ -36,8 +36,8 @@ func parseSchedule(spec string, now time.Time) (cron.Schedule, error) {
 	default:
 		s = parsed
 	}
-	if next := s.Next(now); next.IsZero() || next.Sub(now) > maxCronGap {
-		return nil, errors.New("it has no tick within a year")
+	if err := checkSpec(spec, s); err != nil {
+		return nil, err
 	}
 	return s, nil
 }
@@ -170,7 +170,7 @@ func followingTick(s cron.Schedule, fired, now time.Time) time.Time {
 
 // mustSchedule is parseSchedule for a spec phase 6 has already validated.
 func mustSchedule(spec string) cron.Schedule {
-	s, err := parseSchedule(spec, time.Now())
+	s, err := parseSchedule(spec)
 	if err != nil {
 		panic(fmt.Sprintf("cron spec %q passed bootValidation but is refused now: %v", spec, err))
 	}

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -34,6 +35,7 @@ func TestDockerCompose(t *testing.T) {
 	}
 	defaults := defaultConfig().Lifecycle
 	ids := map[string]bool{}
+	trusted := map[string][]netip.Prefix{}
 	for _, name := range []string{"app1", "app2"} {
 		app, err := project.GetService(name)
 		if err != nil {
@@ -63,11 +65,18 @@ func TestDockerCompose(t *testing.T) {
 				env[k] = *v
 			}
 		}
-		cfg, err := loadConfig(func(k string) string { return env[k] }, func(string) ([]byte, error) { return nil, os.ErrNotExist })
+		cfg, err := loadConfig(func(k string) string { return env[k] }, environOf(env), func(string) ([]byte, error) { return nil, os.ErrNotExist })
 		if err != nil {
 			t.Errorf("%s's environment is not a valid config: %v", name, err)
 		} else if _, err := decodeMasterKey(cfg.MasterKey, "compose"); err != nil {
 			t.Errorf("%s's master key: %v", name, err)
+		}
+		trusted[name] = cfg.HTTP.TrustedProxies
+		// The ops port carries the demo's admin token: this machine only.
+		for _, p := range app.Ports {
+			if p.HostIP != "127.0.0.1" {
+				t.Errorf("%s publishes port %d on %q, want 127.0.0.1 only", name, p.Target, p.HostIP)
+			}
 		}
 	}
 	for _, svc := range []string{"postgres", "redis", "meilisearch", "minio"} {
@@ -83,6 +92,14 @@ func TestDockerCompose(t *testing.T) {
 		if lb.DependsOn[app].Condition != types.ServiceConditionHealthy {
 			t.Errorf("the load balancer does not wait for %s to be healthy", app)
 		}
+		// X-Forwarded-For is believed from the load balancer's own address, nothing more.
+		var lbAddr string
+		if n := lb.Networks["default"]; n != nil {
+			lbAddr = n.Ipv4Address
+		}
+		if want := lbAddr + "/32"; lbAddr == "" || len(trusted[app]) != 1 || trusted[app][0].String() != want {
+			t.Errorf("%s trusts X-Forwarded-For from %v, want the load balancer's fixed address alone (%s)", app, trusted[app], want)
+		}
 	}
 	haproxy, _ := os.ReadFile("deploy/haproxy.cfg")
 	_, opsPort, _ := net.SplitHostPort(defaultConfig().OpsAddr)
@@ -97,6 +114,7 @@ func TestKubernetesManifests(t *testing.T) {
 	files, _ := filepath.Glob("k8s/*.yaml")
 	var deploy *appsv1.Deployment
 	var configMap *corev1.ConfigMap
+	var service *corev1.Service
 	kinds := map[string]bool{}
 	for _, file := range files {
 		if strings.HasSuffix(file, "prometheus-alerts.yaml") {
@@ -117,7 +135,8 @@ func TestKubernetesManifests(t *testing.T) {
 			deploy = &appsv1.Deployment{}
 			obj = deploy
 		case "Service":
-			obj = &corev1.Service{}
+			service = &corev1.Service{}
+			obj = service
 		case "ConfigMap":
 			configMap = &corev1.ConfigMap{}
 			obj = configMap
@@ -141,12 +160,23 @@ func TestKubernetesManifests(t *testing.T) {
 			t.Errorf("no %s manifest", kind)
 		}
 	}
-	if deploy == nil || configMap == nil {
+	if deploy == nil || configMap == nil || service == nil {
 		t.FailNow()
+	}
+	// The ops port (probes, metrics, /admin, /debug/pprof) is reached per pod:
+	// the kubelet and Prometheus go to the pod, an operator port-forwards.
+	for _, p := range service.Spec.Ports {
+		if p.Name != "http" {
+			t.Errorf("the Service exposes port %s (%d); only the API belongs there", p.Name, p.Port)
+		}
 	}
 
 	d := defaultConfig()
 	spec := deploy.Spec
+	// Service links would set variables named after the Service, under the service's own prefix.
+	if links := spec.Template.Spec.EnableServiceLinks; links == nil || *links {
+		t.Errorf("the Deployment keeps Kubernetes' service-link variables, which stop the boot (config.unknownEnv); set enableServiceLinks: false")
+	}
 	if *spec.Replicas != 2 || spec.Strategy.RollingUpdate.MaxUnavailable.IntValue() != 0 {
 		t.Errorf("want 2 replicas and maxUnavailable 0")
 	}
@@ -188,7 +218,7 @@ func TestKubernetesManifests(t *testing.T) {
 	file := configMap.Data["kumiko.config.yaml"]
 	cfg, err := loadConfig(func(k string) string {
 		return map[string]string{"KUMIKO_CONFIG": "/etc/kumiko/kumiko.config.yaml", "DATABASE_URL": "postgres://x@db/x", "REDIS_URL": "redis://r"}[k]
-	}, func(string) ([]byte, error) { return []byte(file), nil })
+	}, nil, func(string) ([]byte, error) { return []byte(file), nil })
 	if err != nil {
 		t.Fatalf("the ConfigMap's kumiko.config.yaml: %v", err)
 	}

@@ -62,16 +62,17 @@ type route struct {
 
 // routeDeps is what route handlers are built from, in phase 15.
 type routeDeps struct {
-	cfg      config
-	timeouts timeouts
-	lc       *Lifecycle
-	db       *pgxpool.Pool
-	redis    *redis.Client
-	search   meilisearch.ServiceManager // nil: not configured or not reachable at boot
-	jobs     *jobs
-	sse      *sseHub
-	metrics  *metrics
-	log      *logrus.Logger
+	cfg       config
+	timeouts  timeouts
+	lc        *Lifecycle
+	db        *pgxpool.Pool
+	redis     *redis.Client
+	search    meilisearch.ServiceManager // nil: not configured or not reachable at boot
+	jobs      *jobs
+	sse       *sseHub
+	masterKey *masterKey
+	metrics   *metrics
+	log       *logrus.Logger
 }
 
 // workDeps is what job workers use, from phase 13 on; search and storage may
@@ -169,7 +170,6 @@ func workerKinds(features []feature) []string {
 // only when the first event is delivered, as a poison event.
 func validateFeatures(features []feature) error {
 	var problems []error
-	now := time.Now() // a cron spec must tick within a year of now
 	seen := func(kind string) func(owner, name string) {
 		owners := map[string]string{}
 		return func(owner, name string) {
@@ -225,7 +225,7 @@ func validateFeatures(features []feature) error {
 		}
 		for _, c := range f.crons {
 			unworked(f, c.kind, "schedules")
-			if _, err := parseSchedule(c.spec, now); err != nil {
+			if _, err := parseSchedule(c.spec); err != nil {
 				problems = append(problems, fmt.Errorf("feature %s: cron %q for job %s: %w", f.name, c.spec, c.kind, err))
 			}
 		}

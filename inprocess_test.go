@@ -76,7 +76,7 @@ func startInProcess(t testing.TB, env map[string]string) *inProcess {
 	logs := &syncBuffer{}
 	env["KUMIKO_CONFIG"] = ""
 	t.Chdir(t.TempDir()) // no kumiko.config.yaml here
-	a := newApp(func(k string) string { return env[k] }, logs)
+	a := newApp(func(k string) string { return env[k] }, environOf(env), logs)
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &inProcess{app: a, logs: logs, cancel: cancel, done: make(chan error, 1)}
 	// Every goroutine the service starts, directly or through a library,

@@ -24,7 +24,7 @@ func testPool(t testing.TB) *pgxpool.Pool {
 
 // migrationApp is just enough app for phases 8 and 9.
 func migrationApp(t testing.TB, pool *pgxpool.Pool, mode string, baseline uint) *app {
-	a := newApp(func(string) string { return "" }, io.Discard)
+	a := newApp(func(string) string { return "" }, nil, io.Discard)
 	a.db = pool
 	a.cfg.Lifecycle.Migrations.Mode = mode
 	a.cfg.Lifecycle.Migrations.SchemaBaseline = baseline
@@ -152,7 +152,7 @@ func TestMigrateCommand(t *testing.T) {
 		{[]string{"down", fmt.Sprint(len(versions))}, fmt.Sprintf("version 0 (dirty false), binary has %d, pending %v", latest, versions)},
 	} {
 		out.Reset()
-		if err := run(ctx, append([]string{serviceName, "migrate"}, step.args...), getenv, &out, io.Discard); err != nil {
+		if err := run(ctx, append([]string{serviceName, "migrate"}, step.args...), getenv, nil, &out, io.Discard); err != nil {
 			t.Fatalf("migrate %v: %v", step.args, err)
 		}
 		if !strings.Contains(out.String(), step.want) {

@@ -67,13 +67,19 @@ func ordersFeature(cfg config) feature {
 		collectors:    []prometheus.Collector{created},
 		routes: []route{
 			{method: http.MethodPost, path: "/api/orders", handler: func(d routeDeps) echo.HandlerFunc {
-				return handleCreateOrder(d.db, newOrderWriter(d.db), d.redis, d.timeouts, created, d.log.WithField("component", "orders"))
+				return handleCreateOrder(d.db, newOrderWriter(d.db), d.redis, d.masterKey, d.timeouts, created, d.log.WithField("component", "orders"))
 			}},
-			{method: http.MethodGet, path: "/api/orders/:id", handler: func(d routeDeps) echo.HandlerFunc { return handleGetOrder(d.db, d.timeouts) }},
-			{method: http.MethodGet, path: "/api/orders", handler: func(d routeDeps) echo.HandlerFunc { return handleListOrders(d.db, d.timeouts) }},
-			// Names and items are personal data: searched on the ops port only.
+			// An order is read with the token its POST answered (orders_access.go).
+			{method: http.MethodGet, path: "/api/orders/:id", handler: func(d routeDeps) echo.HandlerFunc {
+				return handleGetOrder(d.db, d.masterKey, d.timeouts)
+			}},
+			// Names and items are personal data: listed, searched and read by
+			// anyone's id on the ops port only.
 			{method: http.MethodGet, path: "/admin/orders", admin: true, handler: func(d routeDeps) echo.HandlerFunc {
 				return handleSearchOrders(d.db, d.search, d.timeouts, d.log.WithField("component", "orders"))
+			}},
+			{method: http.MethodGet, path: "/admin/orders/:id", admin: true, handler: func(d routeDeps) echo.HandlerFunc {
+				return handleAdminGetOrder(d.db, d.timeouts)
 			}},
 		},
 	}
@@ -105,7 +111,9 @@ func orderIDOf(ev outboxEvent) (int64, error) {
 
 // order is an order as stored and as answered. Clients only ever see the
 // opaque PublicID (as "id"); the sequential ID stays inside, for joins, jobs
-// and the outbox.
+// and the outbox. It never holds the read token: orders are also indexed
+// and sealed into receipts, and the token is only ever answered to the
+// order's creator (writeOrder).
 type order struct {
 	ID         int64       `json:"-"`
 	PublicID   uuid.UUID   `json:"id"`
@@ -230,9 +238,16 @@ func decodeOrder(c echo.Context) (newOrder, error) {
 // marker turns a concurrent duplicate into a 409 instead of a race. Every
 // dependency call shares the request's budget (t.request): a hung database
 // is a 503 within it, and a Redis that does not answer within t.marker gives
-// way to the unique column.
-func handleCreateOrder(db *pgxpool.Pool, w *orderWriter, rdb *redis.Client, t timeouts, created *prometheus.CounterVec, log *logrus.Entry) echo.HandlerFunc {
+// way to the unique column. The answer carries the order's read token
+// (orders_access.go), the same on every replay.
+func handleCreateOrder(db *pgxpool.Pool, w *orderWriter, rdb *redis.Client, key *masterKey, t timeouts, created *prometheus.CounterVec, log *logrus.Entry) echo.HandlerFunc {
 	createdNew := created.WithLabelValues("created") // the hot one, looked up once
+	answer := func(c echo.Context, o order) error { return writeOrder(c, o, readToken(key, o.PublicID)) }
+	replay := func(c echo.Context, o order) error {
+		created.WithLabelValues("replayed").Inc()
+		c.Response().Header().Set("Idempotent-Replayed", "true")
+		return answer(c, o)
+	}
 	return func(c echo.Context) error {
 		req, err := decodeOrder(c)
 		if err != nil {
@@ -263,7 +278,7 @@ func handleCreateOrder(db *pgxpool.Pool, w *orderWriter, rdb *redis.Client, t ti
 				return err
 			}
 			createdNew.Inc()
-			return writeOrder(c, http.StatusCreated, o)
+			return answer(c, o)
 		}
 		if len(key) > maxIdempotencyKey || !printableASCII(key) {
 			return apiError(http.StatusBadRequest, "invalid_idempotency_key", fmt.Sprintf("Idempotency-Key must be 1 to %d printable ASCII characters", maxIdempotencyKey))
@@ -275,7 +290,7 @@ func handleCreateOrder(db *pgxpool.Pool, w *orderWriter, rdb *redis.Client, t ti
 
 		// Done before? Answer exactly as the first time.
 		if o, err := byKey(); err == nil {
-			return replay(c, created, o)
+			return replay(c, o)
 		} else if !errors.Is(err, pgx.ErrNoRows) {
 			return err
 		}
@@ -290,7 +305,7 @@ func handleCreateOrder(db *pgxpool.Pool, w *orderWriter, rdb *redis.Client, t ti
 		switch {
 		case err == nil && !acquired:
 			if o, err := byKey(); err == nil {
-				return replay(c, created, o) // it finished in the meantime
+				return replay(c, o) // it finished in the meantime
 			}
 			created.WithLabelValues("conflict").Inc()
 			return apiError(http.StatusConflict, "request_in_progress", "a request with this Idempotency-Key is still in progress; retry later")
@@ -314,14 +329,14 @@ func handleCreateOrder(db *pgxpool.Pool, w *orderWriter, rdb *redis.Client, t ti
 			// The key's unique index refused this order: another request
 			// with the same key won the race.
 			if o, err := byKey(); err == nil {
-				return replay(c, created, o)
+				return replay(c, o)
 			}
 		}
 		if err != nil {
 			return err
 		}
 		createdNew.Inc()
-		return writeOrder(c, http.StatusCreated, o)
+		return answer(c, o)
 	}
 }
 
@@ -335,24 +350,29 @@ func releaseMarker(ctx context.Context, rdb *redis.Client, marker, token string)
 	return nil
 }
 
-func replay(c echo.Context, created *prometheus.CounterVec, o order) error {
-	created.WithLabelValues("replayed").Inc()
-	c.Response().Header().Set("Idempotent-Replayed", "true")
-	return writeOrder(c, http.StatusCreated, o)
+// createdOrder is the answer to POST /api/orders: the order, and the
+// capability to read it again.
+type createdOrder struct {
+	order
+	ReadToken string `json:"readToken"`
 }
 
-// writeOrder answers o as c.JSON would, byte for byte, without reflection:
-// encoding/json's reflection was 7 % of the service's CPU under load. A
-// request with a query (echo indents for ?pretty) gets c.JSON itself.
-func writeOrder(c echo.Context, status int, o order) error {
+// writeOrder answers 201 with the created order o and its read token as
+// c.JSON would, byte for byte, without reflection: encoding/json's
+// reflection was 7 % of the service's CPU under load. A request with a
+// query (echo indents for ?pretty) gets c.JSON itself. The token is the
+// creator's alone: no cache may keep the answer.
+func writeOrder(c echo.Context, o order, token string) error {
+	c.Response().Header().Set(echo.HeaderCacheControl, "no-store")
 	if c.Request().URL.RawQuery != "" || c.Echo().Debug {
-		return c.JSON(status, o)
+		return c.JSON(http.StatusCreated, createdOrder{order: o, ReadToken: token})
 	}
-	return c.Blob(status, echo.MIMEApplicationJSON, appendOrderJSON(make([]byte, 0, 256), o))
+	return c.Blob(http.StatusCreated, echo.MIMEApplicationJSON, appendOrderJSON(make([]byte, 0, 320), o, token))
 }
 
-// appendOrderJSON appends o as encoding/json's Encoder encodes it, newline included.
-func appendOrderJSON(b []byte, o order) []byte {
+// appendOrderJSON appends createdOrder{o, token} as encoding/json's Encoder
+// encodes it, newline included. token is URL-safe base64: nothing to escape.
+func appendOrderJSON(b []byte, o order, token string) []byte {
 	b = append(b, `{"id":"`...)
 	b = append(b, o.PublicID.String()...)
 	b = append(b, `","customer":`...)
@@ -380,6 +400,8 @@ func appendOrderJSON(b []byte, o order) []byte {
 	b = strconv.AppendInt(b, o.TotalCents, 10)
 	b = append(b, `,"createdAt":"`...)
 	b = o.CreatedAt.AppendFormat(b, time.RFC3339Nano) // what time.Time.MarshalJSON writes
+	b = append(b, `","readToken":"`...)
+	b = append(b, token...)
 	return append(b, "\"}\n"...)
 }
 
@@ -405,12 +427,14 @@ var errBodyTooLarge = apiError(http.StatusRequestEntityTooLarge, "payload_too_la
 var errKeyReused = apiError(http.StatusUnprocessableEntity, "idempotency_key_reused",
 	"this Idempotency-Key was used for a different request")
 
-// orderCreated is the order.created payload. The event stream is public, so
-// it carries no personal data: no customer, no items; the whole order is at
-// GET /api/orders/{id}, the demo's order route. orderWriter writes it without
-// CreatedAt, which the database adds (see insertOrdersAndEvents).
+// orderCreated is the order.created payload. GET /api/events shows payloads
+// to anyone, so it tells that an order flowed and nothing about whose: no
+// customer, no items, and no order id — the id is what a reader would use to
+// find the order, and a name that travels links everything it is seen with.
+// The jobs it starts need none of it: they load the order by the event's
+// aggregate id, which stays inside (publicEvent). orderWriter writes it
+// without CreatedAt, which the database adds (see insertOrdersAndEvents).
 type orderCreated struct {
-	ID         uuid.UUID `json:"id"`
 	Status     string    `json:"status"`
 	TotalCents int64     `json:"totalCents"`
 	ItemCount  int       `json:"itemCount"`
@@ -424,11 +448,9 @@ func sqlJSONTime(col string) string {
 }
 
 // appendOrderCreated encodes orderCreated without its CreatedAt, by hand:
-// a UUID, a constant and two integers need no reflection.
-func appendOrderCreated(b []byte, id uuid.UUID, totalCents int64, itemCount int) []byte {
-	b = append(b, `{"id":"`...)
-	b = append(b, id.String()...)
-	b = append(b, `","status":"created","totalCents":`...)
+// a constant and two integers need no reflection.
+func appendOrderCreated(b []byte, totalCents int64, itemCount int) []byte {
+	b = append(b, `{"status":"created","totalCents":`...)
 	b = strconv.AppendInt(b, totalCents, 10)
 	b = append(b, `,"itemCount":`...)
 	b = strconv.AppendInt(b, int64(itemCount), 10)
@@ -469,65 +491,6 @@ func scanOrder(row pgx.Row, extra ...any) (order, error) {
 		return order{}, fmt.Errorf("decoding the items of order %d: %w", o.ID, err)
 	}
 	return o, nil
-}
-
-// handleGetOrder is GET /api/orders/:id, by the order's opaque public id.
-// It answers the whole order to anyone who has the id: the demo has no
-// customer accounts, and the id cannot be guessed from another one.
-func handleGetOrder(db *pgxpool.Pool, t timeouts) echo.HandlerFunc {
-	return func(c echo.Context) error {
-		id, err := uuid.Parse(c.Param("id"))
-		if err != nil {
-			return apiError(http.StatusBadRequest, "invalid_id", "the order id must be a UUID")
-		}
-		ctx, cancel := context.WithTimeout(c.Request().Context(), t.request)
-		defer cancel()
-		o, err := retrySafe(ctx, db, func(ctx context.Context) (order, error) { return orderByPublicID(ctx, db, id) })
-		if errors.Is(err, pgx.ErrNoRows) {
-			return apiError(http.StatusNotFound, "not_found", "no order "+id.String())
-		}
-		if err != nil {
-			return fmt.Errorf("loading order %s: %w", id, err)
-		}
-		return c.JSON(http.StatusOK, o)
-	}
-}
-
-// handleListOrders is GET /api/orders: the newest 50 orders as the event
-// stream shows them (id, status, total, item count, time), nothing personal.
-// Searching by customer or SKU answers names and items, so it is an admin
-// route on the ops port (handleSearchOrders); a q here is refused, never
-// silently ignored.
-func handleListOrders(db *pgxpool.Pool, t timeouts) echo.HandlerFunc {
-	return func(c echo.Context) error {
-		q, err := searchQuery(c)
-		if err != nil {
-			return err
-		}
-		if q != "" {
-			return apiError(http.StatusForbidden, "search_not_public",
-				"q: searching orders by customer or SKU needs the admin token: GET /admin/orders?q= on the ops port")
-		}
-		ctx, cancel := context.WithTimeout(c.Request().Context(), t.request)
-		defer cancel()
-		orders, err := retrySafe(ctx, db, func(ctx context.Context) ([]orderCreated, error) {
-			rows, err := db.Query(ctx, `SELECT public_id, total_cents, jsonb_array_length(items), created_at
-				FROM orders ORDER BY id DESC LIMIT 50`)
-			if err != nil {
-				return nil, err
-			}
-			return pgx.CollectRows(rows, func(row pgx.CollectableRow) (orderCreated, error) {
-				o := orderCreated{Status: "created"}
-				err := row.Scan(&o.ID, &o.TotalCents, &o.ItemCount, &o.CreatedAt)
-				o.CreatedAt = o.CreatedAt.UTC()
-				return o, err
-			})
-		})
-		if err != nil {
-			return fmt.Errorf("listing orders: %w", err)
-		}
-		return c.JSON(http.StatusOK, map[string]any{"orders": orders})
-	}
 }
 
 func collectOrders(rows pgx.Rows, err error) ([]order, error) {

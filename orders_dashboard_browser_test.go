@@ -80,7 +80,8 @@ func TestDashboardInHeadlessChromium(t *testing.T) {
 	if code != 201 {
 		t.Fatalf("POST %d %v", code, body)
 	}
-	waitDOM(t, ctx, 20*time.Second, "the order's order.created event", fmt.Sprintf(`document.querySelector('#events li[data-order=%q]')`, body["id"]))
+	// The event carries no order id (the stream is public): the order's total, 9.00, tells it.
+	waitDOM(t, ctx, 20*time.Second, "the order's order.created event", fmt.Sprintf(`document.querySelector('#events li[data-total="%v"]')`, body["totalCents"]))
 }
 
 // testBalancer stands in for the demo's HAProxy: it checks each backend's
@@ -164,16 +165,23 @@ func TestDashboardClusterDrainInHeadlessChromium(t *testing.T) {
 	app2 := startAs(t, env, "app2")
 	ops2, api2 := app2.waitReady()
 	lb := startTestBalancer(t, []struct{ api, ops string }{{api1, ops1}, {api2, ops2}})
+	// Each order has a total of its own: the public event carries no order
+	// id, and the total tells the page's lines apart.
+	posted := 0
 	order := func() string {
 		t.Helper()
-		code, _, body := post(t, lb.srv.URL+"/api/orders", validOrder, nil)
+		posted++
+		body := fmt.Sprintf(`{"customer":"Ada","items":[{"sku":"tea","qty":1,"priceCents":%d}]}`, 100+posted)
+		code, _, answer := post(t, lb.srv.URL+"/api/orders", body, nil)
 		if code != 201 {
-			t.Fatalf("POST through the load balancer = %d %v", code, body)
+			t.Fatalf("POST through the load balancer = %d %v", code, answer)
 		}
-		return fmt.Sprint(body["id"])
+		return fmt.Sprint(answer["totalCents"])
 	}
 	card := func(id string) string { return fmt.Sprintf(`document.querySelector('[data-instance=%q]')`, id) }
-	orderShown := func(id string) string { return fmt.Sprintf(`document.querySelector('#events li[data-order=%q]')`, id) }
+	orderShown := func(total string) string {
+		return fmt.Sprintf(`document.querySelector('#events li[data-total=%q]')`, total)
+	}
 
 	if _, err := chromedp.Run(ctx, chromedp.Navigate(lb.srv.URL+"/")); err != nil {
 		t.Fatalf("opening the dashboard: %v", err)

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"net/http"
 	"os"
@@ -63,15 +64,17 @@ func TestProcessTwoInstancesFanOut(t *testing.T) {
 	clientA, clientB := openSSE(t, apiA, 0), openSSE(t, apiB, 0)
 	time.Sleep(50 * time.Millisecond) // both streams registered with their hub
 
+	// Order i costs i+1 cents: the public event carries no order id, and the
+	// total tells each order's event apart.
 	const n = 40
-	var orderIDs []string
+	var totals []float64
 	for i := range n {
 		api := []string{apiA, apiB}[i%2]
-		code, _, body := post(t, api+"/api/orders", validOrder, nil)
+		code, _, body := post(t, api+"/api/orders", fmt.Sprintf(`{"customer":"Ada","items":[{"sku":"tea","qty":1,"priceCents":%d}]}`, i+1), nil)
 		if code != 201 {
 			t.Fatalf("POST to %s: %d %v", api, code, body)
 		}
-		orderIDs = append(orderIDs, body["id"].(string))
+		totals = append(totals, body["totalCents"].(float64))
 	}
 	want := func(frames []sseFrame) bool { return len(orderCreatedIDs(frames)) >= n }
 	clientA.waitFor(5*time.Second, "every order on A", want)
@@ -83,20 +86,20 @@ func TestProcessTwoInstancesFanOut(t *testing.T) {
 		if !slices.Equal(got, order) {
 			t.Errorf("client on %s got %v, want each event once in delivery order %v", name, got, order)
 		}
-		seenOrders := map[string]bool{}
+		seenOrders := map[float64]bool{}
 		for _, f := range c.events(eventOrderCreated) {
 			payload, _ := f.Data["payload"].(map[string]any)
-			id, _ := payload["id"].(string)
-			seenOrders[id] = true
+			total, _ := payload["totalCents"].(float64)
+			seenOrders[total] = true
 			for _, internal := range []string{"aggregateId", "seq"} {
 				if _, ok := f.Data[internal]; ok {
 					t.Errorf("client on %s: a public frame carries the internal %s: %v", name, internal, f.Data)
 				}
 			}
 		}
-		for _, id := range orderIDs {
-			if !seenOrders[id] {
-				t.Errorf("client on %s never saw order %v", name, id)
+		for _, total := range totals {
+			if !seenOrders[total] {
+				t.Errorf("client on %s never saw the order of %v cents", name, total)
 			}
 		}
 	}

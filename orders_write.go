@@ -93,7 +93,7 @@ func (w *orderWriter) create(ctx context.Context, publicID uuid.UUID, req newOrd
 	items, _ := json.Marshal(req.Items) // strings and ints always encode
 	row := &orderRow{ctx: ctx, publicID: publicID, customer: o.Customer, items: string(items), totalCents: o.TotalCents,
 		key: key, hash: hash, traceparent: traceparentOf(ctx),
-		payload: string(appendOrderCreated(make([]byte, 0, 128), publicID, o.TotalCents, len(o.Items)))}
+		payload: string(appendOrderCreated(make([]byte, 0, 96), o.TotalCents, len(o.Items)))}
 
 	answer := func() (order, error) {
 		if row.err != nil {

@@ -43,7 +43,9 @@ type outboxEvent struct {
 }
 
 // writeOutboxEvent records an event in the caller's transaction, so the
-// business row and its event commit, or roll back, together.
+// business row and its event commit, or roll back, together. The payload is
+// public: GET /api/events shows it to anyone, so it carries only what anyone
+// may read; a subscriber loads the rest by aggregateID, which stays inside.
 func writeOutboxEvent(ctx context.Context, tx pgx.Tx, aggregateType, aggregateID, eventType string, payload any) (int64, error) {
 	body, err := json.Marshal(payload)
 	if err != nil {

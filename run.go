@@ -29,19 +29,21 @@ commands:
   version             print the version`
 
 // run is the whole program: everything the OS gives is an argument, so tests
-// call it directly.
-func run(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
+// call it directly. environ is the environment as "NAME=value" lines (as
+// os.Environ gives it): getenv reads it, environ lists it, so the config can
+// refuse a KUMIKO_ variable no setting reads.
+func run(ctx context.Context, args []string, getenv func(string) string, environ []string, stdout, stderr io.Writer) error {
 	command := "serve"
 	if len(args) > 1 {
 		command = args[1]
 	}
 	switch command {
 	case "serve":
-		return newApp(getenv, stdout).serve(ctx)
+		return newApp(getenv, environ, stdout).serve(ctx)
 	case "migrate":
-		return runMigrate(ctx, args[2:], getenv, stdout)
+		return runMigrate(ctx, args[2:], getenv, environ, stdout)
 	case "workers":
-		return runWorkers(ctx, getenv, stdout)
+		return runWorkers(ctx, getenv, environ, stdout)
 	case "healthcheck":
 		return runHealthcheck(ctx, getenv)
 	case "version":
@@ -57,8 +59,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 
 // runMigrate is `migrate up|down N|status`: the same embedded migrations the
 // boot checks, for operators who run them as a separate deploy step.
-func runMigrate(ctx context.Context, args []string, getenv func(string) string, stdout io.Writer) error {
-	cfg, err := loadConfig(getenv, os.ReadFile)
+func runMigrate(ctx context.Context, args []string, getenv func(string) string, environ []string, stdout io.Writer) error {
+	cfg, err := loadConfig(getenv, environ, os.ReadFile)
 	if err != nil {
 		return err
 	}
@@ -104,8 +106,8 @@ func runMigrate(ctx context.Context, args []string, getenv func(string) string, 
 }
 
 // runWorkers lists every live worker of every instance from the heartbeat keys.
-func runWorkers(ctx context.Context, getenv func(string) string, stdout io.Writer) error {
-	cfg, err := loadConfig(getenv, os.ReadFile)
+func runWorkers(ctx context.Context, getenv func(string) string, environ []string, stdout io.Writer) error {
+	cfg, err := loadConfig(getenv, environ, os.ReadFile)
 	if err != nil {
 		return err
 	}

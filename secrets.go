@@ -4,6 +4,8 @@ import (
 	"context"
 	"crypto/aes"
 	"crypto/cipher"
+	"crypto/hkdf"
+	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/base64"
@@ -52,12 +54,14 @@ func decodeMasterKey(b64, source string) ([]byte, error) {
 	return key, nil
 }
 
-// masterKey seals small secrets with AES-256-GCM. Its id (a hash prefix) can be
-// logged and stored next to sealed data to tell which key sealed it; the key
-// itself never leaves this type.
+// masterKey seals small secrets with AES-256-GCM and authenticates values
+// with HMAC-SHA256 (mac). Its id (a hash prefix) can be logged and stored
+// next to sealed data to tell which key sealed it; the key itself never
+// leaves this type.
 type masterKey struct {
-	id   string
-	aead cipher.AEAD
+	id     string
+	aead   cipher.AEAD
+	macKey []byte // derived from the key, so no MAC input can ever meet the cipher's key
 }
 
 func newMasterKey(key []byte) (*masterKey, error) {
@@ -69,8 +73,23 @@ func newMasterKey(key []byte) (*masterKey, error) {
 	if err != nil {
 		return nil, fmt.Errorf("creating the GCM mode: %w", err)
 	}
+	macKey, err := hkdf.Key(sha256.New, key, nil, "mac", sha256.Size)
+	if err != nil {
+		return nil, fmt.Errorf("deriving the MAC key: %w", err)
+	}
 	sum := sha256.Sum256(key)
-	return &masterKey{id: hex.EncodeToString(sum[:4]), aead: aead}, nil
+	return &masterKey{id: hex.EncodeToString(sum[:4]), aead: aead, macKey: macKey}, nil
+}
+
+// mac authenticates msg for one purpose: the same msg under another purpose
+// gives an unrelated tag, so a value minted for one use is worthless for any
+// other. Compare tags with hmac.Equal, never ==.
+func (k *masterKey) mac(purpose string, msg []byte) []byte {
+	h := hmac.New(sha256.New, k.macKey)
+	h.Write([]byte(purpose))
+	h.Write([]byte{0}) // purposes are text: a NUL ends one unambiguously
+	h.Write(msg)
+	return h.Sum(nil)
 }
 
 // seal encrypts plaintext; aad binds the result to its context (e.g. "order:42")

@@ -46,6 +46,12 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string,
 		if err != nil {
 			return err
 		}
+		if c.Request().Method == http.MethodHead {
+			// The headers a GET would get, and no stream: net/http would
+			// swallow its writes, and the stream would hold a slot for nothing.
+			setStreamHeaders(c.Response().Header())
+			return c.NoContent(http.StatusOK)
+		}
 		limitSendBuffer(c.Request().Context())
 		// The controller must reach net/http's writer: echo.Response is an
 		// http.Flusher that swallows flush errors.
@@ -72,9 +78,7 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string,
 		}
 
 		w := c.Response()
-		w.Header().Set(echo.HeaderContentType, "text/event-stream")
-		w.Header().Set(echo.HeaderCacheControl, "no-cache")
-		w.Header().Set("X-Accel-Buffering", "no") // nginx: do not buffer the stream
+		setStreamHeaders(w.Header())
 		// The write deadlines stay on the connection: it must not serve another request.
 		w.Header().Set(echo.HeaderConnection, "close")
 		w.WriteHeader(http.StatusOK)
@@ -154,6 +158,13 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string,
 		h.streamEnded(err)
 		return nil // the response is committed: the stream just ends
 	}
+}
+
+// setStreamHeaders sets the headers of an event stream's answer.
+func setStreamHeaders(h http.Header) {
+	h.Set(echo.HeaderContentType, "text/event-stream")
+	h.Set(echo.HeaderCacheControl, "no-cache")
+	h.Set("X-Accel-Buffering", "no") // nginx: do not buffer the stream
 }
 
 // replayPage reads the next page of a stream's replay, waiting for a replay slot.

@@ -588,19 +588,20 @@ watch_bg iptables "prev=; for _ in \$(seq 12000); do cur=\$(svc_dnat); [ \"\$cur
 old_pods=$(kubectl get pods -l app=$APP --field-selector=status.phase=Running -o jsonpath='{range .items[*]}{.metadata.name}={.status.podIP} {end}')
 for p in $old_pods; do watch_bg "log-${p%%=*}" "$BIN/kubectl logs -f ${p%%=*}"; done
 
-# Orders to read, then the target mix: of every 10 requests, 4 GET an order,
-# 4 GET /api/instance (its body names the pod that served it) and 2 POST an order.
-ids=()
+# Orders to read, then the target mix: of every 10 requests, 4 GET an order
+# (with the read token its POST answered), 4 GET /api/instance (its body names
+# the pod that served it) and 2 POST an order.
+ids=() tokens=()
 for i in $(seq 20); do
-  id=$(curl -fsS -m 5 -H 'Content-Type: application/json' -d "{\"customer\":\"k8s-smoke-$i\",\"items\":[{\"sku\":\"a\",\"qty\":1,\"priceCents\":250}]}" "$URL/api/orders" | jq -r .id) ||
+  created=$(curl -fsS -m 5 -H 'Content-Type: application/json' -d "{\"customer\":\"k8s-smoke-$i\",\"items\":[{\"sku\":\"a\",\"qty\":1,\"priceCents\":250}]}" "$URL/api/orders") ||
     fail "POST /api/orders through the ClusterIP"
-  ids+=("$id")
+  ids+=("$(jq -r .id <<<"$created")") tokens+=("$(jq -r .readToken <<<"$created")")
 done
 body=$(echo -n '{"customer":"k8s-smoke-load","items":[{"sku":"b","qty":2,"priceCents":100}]}' | base64 -w0)
 : >"$WORK/targets"
 for i in $(seq 0 19); do
   case $((i % 10)) in
-  0 | 1 | 2 | 3) echo "{\"method\":\"GET\",\"url\":\"$URL/api/orders/${ids[$i]}\"}" ;;
+  0 | 1 | 2 | 3) echo "{\"method\":\"GET\",\"url\":\"$URL/api/orders/${ids[$i]}\",\"header\":{\"Authorization\":[\"Bearer ${tokens[$i]}\"]}}" ;;
   4 | 5 | 6 | 7) echo "{\"method\":\"GET\",\"url\":\"$URL/api/instance\"}" ;;
   *) echo "{\"method\":\"POST\",\"url\":\"$URL/api/orders\",\"body\":\"$body\",\"header\":{\"Content-Type\":[\"application/json\"]}}" ;;
   esac

@@ -133,6 +133,7 @@ defaults
   option forwardfor # the client's address, believed by the apps from 127.0.0.1 only
 frontend api
   bind 127.0.0.1:$LB_PORT
+  http-request del-header X-Forwarded-For # the edge: a header a client sent names nobody
   stats enable
   stats uri /lb-stats
   default_backend apps

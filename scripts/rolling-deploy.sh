@@ -51,14 +51,16 @@ orders)
   # 40 orders to read, then a round of 4 reads to each write, in vegeta's JSON
   # target format, which rollload reads (a POST body is base64).
   body='{"customer":"Ada","items":[{"sku":"tea","qty":2,"priceCents":250}]}'
-  ids=()
+  ids=() tokens=()
   for _ in $(seq 1 40); do
-    ids+=("$(curl -fsS -XPOST "$lb/api/orders" -H 'Content-Type: application/json' -d "$body" | grep -o '"id":"[^"]*"' | cut -d'"' -f4)")
+    created=$(curl -fsS -XPOST "$lb/api/orders" -H 'Content-Type: application/json' -d "$body")
+    ids+=("$(grep -o '"id":"[^"]*"' <<<"$created" | cut -d'"' -f4)")
+    tokens+=("$(grep -o '"readToken":"[^"]*"' <<<"$created" | cut -d'"' -f4)") # reading an order needs it
   done
   b64=$(printf '%s' "$body" | base64 -w0)
   : >"$DIR/targets"
   for i in "${!ids[@]}"; do
-    echo "{\"method\":\"GET\",\"url\":\"$lb/api/orders/${ids[$i]}\"}" >>"$DIR/targets"
+    echo "{\"method\":\"GET\",\"url\":\"$lb/api/orders/${ids[$i]}\",\"header\":{\"Authorization\":[\"Bearer ${tokens[$i]}\"]}}" >>"$DIR/targets"
     if ((i % 4 == 3)); then
       echo "{\"method\":\"POST\",\"url\":\"$lb/api/orders\",\"body\":\"$b64\",\"header\":{\"Content-Type\":[\"application/json\"]}}" >>"$DIR/targets"
     fi
