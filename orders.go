@@ -67,7 +67,7 @@ func ordersFeature(cfg config) feature {
 		collectors:    []prometheus.Collector{created},
 		routes: []route{
 			{method: http.MethodPost, path: "/api/orders", handler: func(d routeDeps) echo.HandlerFunc {
-				return handleCreateOrder(d.db, newOrderWriter(d.db), d.redis, d.timeouts, created, d.log.WithField("component", "orders"))
+				return handleCreateOrder(d.db, newOrderWriter(d.db, d.timeouts), d.redis, d.timeouts, created, d.log.WithField("component", "orders"))
 			}},
 			{method: http.MethodGet, path: "/api/orders/:id", handler: func(d routeDeps) echo.HandlerFunc { return handleGetOrder(d.db, d.timeouts) }},
 			{method: http.MethodGet, path: "/api/orders", handler: func(d routeDeps) echo.HandlerFunc { return handleListOrders(d.db, d.timeouts) }},

@@ -61,6 +61,16 @@ type timeouts struct {
 	// marker: the idempotency marker in Redis only speeds up what
 	// PostgreSQL's unique key decides, so it gives way after this share.
 	marker time.Duration
+	// commitMargin: an order joins a statement only while its request has
+	// this much of its budget left (a fifth of request): a statement takes
+	// a few ms, and one that commits an order after its request was told to
+	// retry would make the client's retry a duplicate.
+	commitMargin time.Duration
+	// orderStatement bounds an order statement once it runs. Its requests
+	// wait for it past their own deadlines (each must be answered with what
+	// happened to its order), so it is their budget again, not less: a
+	// statement cut short leaves its outcome to be looked up.
+	orderStatement time.Duration
 	// backgroundCall: one call of a background loop (a heartbeat, a lock
 	// renewal, a fence read): a hung dependency costs the loop this, and a
 	// stop waits at most this for a call in flight.
@@ -121,6 +131,8 @@ func newTimeouts(c config) timeouts {
 		poolClose:      2 * time.Second,
 		request:        c.HTTP.DependencyTimeout,
 		marker:         c.HTTP.DependencyTimeout / 4,
+		commitMargin:   c.HTTP.DependencyTimeout / 5,
+		orderStatement: c.HTTP.DependencyTimeout,
 		backgroundCall: time.Second,
 		readinessProbe: l.Readiness.ProbeTimeout,
 		dbStatement:    c.DB.StatementTimeout,
