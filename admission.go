@@ -34,12 +34,13 @@ import (
 // find more capacity, and for bursts); when it exceeds it, the limit shrinks
 // in proportion (at most by half a window). The baseline is learned only
 // from windows where the limit was really in use (at least half of it in
-// flight): at idle the latency says nothing about capacity. It rises slowly
-// (admissionBaselineRise), so a sustained overload cannot quickly teach it
-// that slow is normal, and falls fast (admissionBaselineFall), so the
-// service recovers its latency once the overload ends. The median, not the
-// mean: a few slow clients uploading their body must not shrink everyone's
-// limit.
+// flight): at idle the latency says nothing about capacity. It moves slowly
+// (admissionBaselineWeight), so neither a noisy window nor a sustained
+// overload quickly teaches it that slow is normal, except down: a median
+// faster than the baseline by more than the tolerance means the overload
+// that raised it is over, and it follows within a few windows
+// (admissionBaselineFall). The median, not the mean: a few slow clients
+// uploading their body must not shrink everyone's limit.
 
 const (
 	// admissionWindow is the shortest window: short enough to react to an
@@ -54,11 +55,13 @@ const (
 	// admissionSmoothing is the share of a window's new limit that is taken;
 	// the rest stays, so one noisy window cannot swing it.
 	admissionSmoothing = 0.5
-	// admissionBaselineRise and admissionBaselineFall weigh a window in the
-	// baseline when its median is above or below it: ~600 windows (a minute
-	// at full traffic) to follow a rise, ~4 to follow a fall.
-	admissionBaselineRise = 1.0 / 600
-	admissionBaselineFall = 1.0 / 4
+	// admissionBaselineWeight is a window's weight in the baseline: it
+	// follows a change over ~600 windows, a minute at full traffic. A
+	// symmetric average, so that on a noisy machine the baseline is the
+	// typical latency, not its luckiest windows. admissionBaselineFall is the
+	// weight of a window faster than the baseline by more than the tolerance.
+	admissionBaselineWeight = 1.0 / 600
+	admissionBaselineFall   = 1.0 / 4
 )
 
 // admissionConfig is the limiter's setting: the limit stays in [min, max]
@@ -82,6 +85,18 @@ type concurrencyLimiter struct {
 	windowStart time.Time
 	samples     []float64 // seconds
 	peak        int       // the most in flight during the window
+}
+
+// newAdmission is the API's limiter as configured, shown in the metrics
+// from the start; nil when KUMIKO_API_CONCURRENCY_MAX is 0.
+func newAdmission(hc httpConfig, m *metrics) *concurrencyLimiter {
+	if hc.ConcurrencyMax == 0 {
+		return nil
+	}
+	l := newConcurrencyLimiter(admissionConfig{min: int(hc.ConcurrencyMin), max: int(hc.ConcurrencyMax),
+		tolerance: float64(hc.LatencyTolerance) / 100}, time.Now())
+	observeLimit(l, m)
+	return l
 }
 
 func newConcurrencyLimiter(cfg admissionConfig, now time.Time) *concurrencyLimiter {
@@ -126,10 +141,10 @@ func (l *concurrencyLimiter) update() {
 	switch {
 	case l.baseline == 0:
 		l.baseline = median
-	case median > l.baseline:
-		l.baseline += (median - l.baseline) * admissionBaselineRise
-	default:
+	case median*l.cfg.tolerance < l.baseline:
 		l.baseline += (median - l.baseline) * admissionBaselineFall
+	default:
+		l.baseline += (median - l.baseline) * admissionBaselineWeight
 	}
 	gradient := 1.0
 	if median > 0 {

@@ -112,18 +112,15 @@ func addPprofRoutes(g *echo.Group) {
 // the page and the streams never are. Readiness here tells status only:
 // details are on the ops port.
 func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature, d routeDeps, hc httpConfig,
-	inFlight *atomic.Int64, rejecting *atomic.Bool, tracer trace.Tracer) {
+	admission *concurrencyLimiter, inFlight *atomic.Int64, rejecting *atomic.Bool, tracer trace.Tracer) {
 	m := d.metrics
 	var limit []echo.MiddlewareFunc
 	if hc.RateLimit > 0 {
 		limit = append(limit, rateLimit(newIPRateLimiter(hc.RateLimit, hc.RateBurst, maxRateLimitedIPs)))
 	}
 	var admit []echo.MiddlewareFunc
-	if hc.ConcurrencyMax > 0 {
-		l := newConcurrencyLimiter(admissionConfig{min: int(hc.ConcurrencyMin), max: int(hc.ConcurrencyMax),
-			tolerance: float64(hc.LatencyTolerance) / 100}, time.Now())
-		observeLimit(l, m)
-		admit = append(admit, admitWithinLimit(l, m))
+	if admission != nil {
+		admit = append(admit, admitWithinLimit(admission, m))
 	}
 	e.Match(getHead(), "/health", handleLive())
 	e.Match(getHead(), "/health/ready", handleReady(rd, false))

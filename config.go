@@ -196,7 +196,7 @@ func (c *config) settings() []configSetting {
 			doc: "API requests worked on at once, at most: the ceiling of the adaptive limit, beyond which requests get 503 with Retry-After at once; 0 turns admission control off"},
 		{key: "http.concurrencyMin", env: "KUMIKO_API_CONCURRENCY_MIN", def: "16", value: uintValue{p: &c.HTTP.ConcurrencyMin, min: 1},
 			doc: "the adaptive limit starts here and never goes below, however slow the requests get"},
-		{key: "http.latencyTolerance", env: "KUMIKO_API_LATENCY_TOLERANCE", def: "150", value: uintValue{p: &c.HTTP.LatencyTolerance, min: 101, max: 1000},
+		{key: "http.latencyTolerance", env: "KUMIKO_API_LATENCY_TOLERANCE", def: "200", value: uintValue{p: &c.HTTP.LatencyTolerance, min: 101, max: 1000},
 			doc: "percent: the limit shrinks while the median API latency is above this share of its long-term baseline; higher trades latency for goodput"},
 		{key: "http.dependencyTimeout", env: "KUMIKO_HTTP_DEPENDENCY_TIMEOUT", def: "500ms", value: durationValue{p: &c.HTTP.DependencyTimeout},
 			doc: "one API request's database and Redis calls together; past it, 503 with Retry-After"},
