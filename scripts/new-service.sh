@@ -103,7 +103,7 @@ perl -0pi -e 's/\n<!-- template:begin -->.*?<!-- template:end -->\n//s' README.m
 demo_files=(
   orders*.go # the feature, its jobs and search, and the tests that need orders to happen
   migrations/000013_orders_public_id.up.sql migrations/000013_orders_public_id.down.sql
-  scripts/bench-orders.sh scripts/refhandler scripts/bench-sse.sh scripts/sseload
+  scripts/bench-orders.sh scripts/refhandler scripts/bench-sse.sh scripts/sseload scripts/bench-overload.sh scripts/overload
 )
 if $bare; then
   for f in "${demo_files[@]}"; do
