@@ -99,6 +99,7 @@ func newAdmission(hc httpConfig, m *metrics) *concurrencyLimiter {
 	return l
 }
 
+// newConcurrencyLimiter starts at the minimum, with its first window at now.
 func newConcurrencyLimiter(cfg admissionConfig, now time.Time) *concurrencyLimiter {
 	return &concurrencyLimiter{cfg: cfg, limit: float64(cfg.min), windowStart: now,
 		samples: make([]float64, 0, admissionMaxSamples)}
