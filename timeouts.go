@@ -62,9 +62,9 @@ type timeouts struct {
 	// PostgreSQL's unique key decides, so it gives way after this share.
 	marker time.Duration
 	// commitMargin: an order joins a statement only while its request has
-	// this much of its budget left (a fifth of request): a statement takes
-	// a few ms, and one that commits an order after its request was told to
-	// retry would make the client's retry a duplicate.
+	// this much of its budget left (a fifth of request). A statement takes
+	// a few ms; an order taken with less left would most likely be answered
+	// after its deadline (still with its 201: once taken, its request waits).
 	commitMargin time.Duration
 	// orderStatement bounds an order statement once it runs. Its requests
 	// wait for it past their own deadlines (each must be answered with what
