@@ -109,13 +109,21 @@ func addPprofRoutes(g *echo.Group) {
 // Requests are measured and counted in flight; streams are not, because the
 // drain ends them instead of waiting for them. Feature routes and the page are
 // rate-limited per client IP; the health routes are not (probes must always
-// get through). Readiness here tells status only: details are on the ops port.
+// get through). Past the instance's capacity the feature routes that are not
+// long-running are shed by the concurrency limit (admission.go), after the
+// per-IP limit so one client's excess never takes the others' room; health,
+// the page and the streams never are. Readiness here tells status only:
+// details are on the ops port.
 func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature, d routeDeps, hc httpConfig,
-	inFlight *atomic.Int64, rejecting *atomic.Bool, tracer trace.Tracer) {
+	admission *concurrencyLimiter, inFlight *atomic.Int64, rejecting *atomic.Bool, tracer trace.Tracer) {
 	m := d.metrics
 	var limit []echo.MiddlewareFunc
 	if hc.RateLimit > 0 {
 		limit = append(limit, rateLimit(newIPRateLimiter(hc.RateLimit, hc.RateBurst, maxRateLimitedIPs)))
+	}
+	var admit []echo.MiddlewareFunc
+	if admission != nil {
+		admit = append(admit, admitWithinLimit(admission, m))
 	}
 	e.Match(getHead(), "/health", handleLive())
 	e.Match(getHead(), "/health/ready", handleReady(rd, false))
@@ -131,6 +139,9 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 				chain = append(chain, observeRequests(m))
 			}
 			chain = append(chain, limit...)
+			if !r.streaming && !r.longRunning {
+				chain = append(chain, admit...)
+			}
 			if !r.streaming {
 				chain = append(chain, bodyReadDeadline(hc.ReadTimeout), trackInFlight(inFlight, m), traceRequests(tracer))
 			}

@@ -59,6 +59,7 @@ type app struct {
 	jobs       *jobs                      // 13. outboxPoller (started in 14. jobsWorker)
 	sse        *sseHub                    // 15. apiListener
 	api        *httpServer                // 15. apiListener
+	admission  *concurrencyLimiter        // 15. apiListener; nil: admission control off
 	inFlight   atomic.Int64               // API requests being served now
 	rejecting  atomic.Bool                // KUMIKO_DRAIN_REJECT=retry-after, from closeListener on: new API requests get 503
 }

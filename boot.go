@@ -249,7 +249,8 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	e.IPExtractor = clientIPExtractor(a.cfg.HTTP.TrustedProxies)
 	deps := routeDeps{cfg: a.cfg, timeouts: a.timeouts, lc: a.lc, db: a.db, redis: a.redis, search: a.search,
 		jobs: a.jobs, sse: hub, masterKey: a.masterKey, metrics: a.metrics, log: a.log}
-	addAPIRoutes(e, a.lc, a.health, a.features, deps, a.cfg.HTTP, &a.inFlight, &a.rejecting, a.tracing.tracer)
+	a.admission = newAdmission(a.cfg.HTTP, a.metrics)
+	addAPIRoutes(e, a.lc, a.health, a.features, deps, a.cfg.HTTP, a.admission, &a.inFlight, &a.rejecting, a.tracing.tracer)
 	api, err := listenHTTP("api", a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP, a.log, a.serverFailed)
 	if err != nil {
 		return err

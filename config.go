@@ -102,6 +102,12 @@ type httpConfig struct {
 	IdleTimeout       time.Duration
 	RateLimit         uint
 	RateBurst         uint
+	// Admission control (admission.go): the adaptive concurrency limit
+	// stays from ConcurrencyMin to ConcurrencyMax (0: off) and shrinks when
+	// the median latency passes LatencyTolerance percent of its baseline.
+	ConcurrencyMin    uint
+	ConcurrencyMax    uint
+	LatencyTolerance  uint
 	DependencyTimeout time.Duration
 	SlowMax           time.Duration
 	DemoEndpoints     bool
@@ -198,6 +204,12 @@ func (c *config) settings() []configSetting {
 			doc: "API requests per second per client IP; 0 turns the limit off"},
 		{key: "http.rateBurst", env: "KUMIKO_API_RATE_BURST", def: "1000", value: uintValue{p: &c.HTTP.RateBurst},
 			doc: "requests one client IP may send at once"},
+		{key: "http.concurrencyMax", env: "KUMIKO_API_CONCURRENCY_MAX", def: "500", value: uintValue{p: &c.HTTP.ConcurrencyMax},
+			doc: "API requests worked on at once, at most: the ceiling of the adaptive limit, beyond which requests get 503 with Retry-After at once; 0 turns admission control off"},
+		{key: "http.concurrencyMin", env: "KUMIKO_API_CONCURRENCY_MIN", def: "16", value: uintValue{p: &c.HTTP.ConcurrencyMin, min: 1},
+			doc: "the adaptive limit starts here and never goes below, however slow the requests get"},
+		{key: "http.latencyTolerance", env: "KUMIKO_API_LATENCY_TOLERANCE", def: "200", value: uintValue{p: &c.HTTP.LatencyTolerance, min: 101, max: 1000},
+			doc: "percent: the limit shrinks while the median API latency is above this share of its long-term baseline; higher trades latency for goodput"},
 		{key: "http.dependencyTimeout", env: "KUMIKO_HTTP_DEPENDENCY_TIMEOUT", def: "500ms", value: durationValue{p: &c.HTTP.DependencyTimeout},
 			doc: "one API request's database and Redis calls together; past it, 503 with Retry-After"},
 		{key: "http.slowMax", env: "KUMIKO_SLOW_MAX", def: "60s", value: durationValue{p: &c.HTTP.SlowMax},
@@ -459,6 +471,8 @@ func (c *config) validate() []error {
 			"or the leader steps down before it ever renews its lock (renewInterval at most lockTtl/2.2)", le.LockTTL, le.RenewInterval)
 	check(c.Outbox.RetryBase <= c.Outbox.RetryMax, "outbox.retryBase (%s) must not exceed retryMax (%s)", c.Outbox.RetryBase, c.Outbox.RetryMax)
 	check(c.HTTP.RateLimit == 0 || c.HTTP.RateBurst >= 1, "http.rateBurst must be at least 1 when http.rateLimit is set")
+	check(c.HTTP.ConcurrencyMax == 0 || c.HTTP.ConcurrencyMin <= c.HTTP.ConcurrencyMax,
+		"http.concurrencyMin (%d) must not exceed concurrencyMax (%d)", c.HTTP.ConcurrencyMin, c.HTTP.ConcurrencyMax)
 	// River rescues a job still running after RescueAfter: a shorter value
 	// would run live jobs twice.
 	check(c.Jobs.Timeout < c.Jobs.RescueAfter, "jobs.timeout (%s) must be shorter than rescueAfter (%s)", c.Jobs.Timeout, c.Jobs.RescueAfter)

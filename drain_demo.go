@@ -21,7 +21,9 @@ func drainDemoFeature(cfg httpConfig) feature {
 		manualJobs: []manualJob{byHand(sleepArgsOf)},
 	}
 	if cfg.DemoEndpoints {
-		f.routes = []route{{method: http.MethodGet, path: "/api/slow", handler: func(d routeDeps) echo.HandlerFunc {
+		// Long-running: a request that sleeps holds no capacity, and its
+		// duration must not teach the concurrency limit that the instance is slow.
+		f.routes = []route{{method: http.MethodGet, path: "/api/slow", longRunning: true, handler: func(d routeDeps) echo.HandlerFunc {
 			return handleSlow(d.cfg.HTTP.SlowMax)
 		}}}
 	}

@@ -51,12 +51,16 @@ func registerFeatures(cfg config) []feature {
 
 // route is one HTTP route. Its handler is built in phase 15, once everything
 // it uses exists. A streaming route (SSE) is not an in-flight request for the
-// drain: it is ended by drain step 4, not waited for. An admin route is
-// served on the ops port under /admin, behind the admin token.
+// drain: it is ended by drain step 4, not waited for. A long-running route
+// (a stream, or a request that waits by design, like /api/slow) is not
+// admission-controlled: its duration says nothing about the instance's load
+// (admission.go). An admin route is served on the ops port under /admin,
+// behind the admin token.
 type route struct {
 	method, path string
 	handler      func(routeDeps) echo.HandlerFunc
 	streaming    bool
+	longRunning  bool
 	admin        bool
 }
 

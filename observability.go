@@ -76,6 +76,10 @@ type metrics struct {
 	httpInFlight         prometheus.Gauge
 	httpRequests         *prometheus.CounterVec
 	httpDuration         *prometheus.HistogramVec
+	admissionLimit       prometheus.Gauge
+	admissionInFlight    prometheus.Gauge
+	admissionShed        prometheus.Counter
+	admissionBaseline    prometheus.Gauge
 	readinessOK          *prometheus.GaugeVec
 	readinessProbes      *prometheus.CounterVec
 	panics               *prometheus.CounterVec
@@ -130,6 +134,18 @@ func newMetrics() *metrics {
 			Namespace: metricNamespace, Name: "http_request_duration_seconds", Help: "API request latency by route template.",
 			Buckets: prometheus.DefBuckets,
 		}, []string{"route"}),
+		admissionLimit: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: metricNamespace, Name: "api_concurrency_limit", Help: "API requests this instance works on at once before it sheds the next (admission.go); it follows their latency.",
+		}),
+		admissionInFlight: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: metricNamespace, Name: "api_concurrency_in_flight", Help: "API requests admitted by the concurrency limit and not yet answered.",
+		}),
+		admissionShed: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "api_shed_total", Help: "API requests answered 503 with Retry-After at once because the concurrency limit was reached.",
+		}),
+		admissionBaseline: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: metricNamespace, Name: "api_concurrency_baseline_seconds", Help: "The long-term median latency the concurrency limit compares each window's median with.",
+		}),
 		readinessOK: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "readiness_check_ok", Help: "1 when the readiness check passed at its last probe.",
 		}, []string{"check"}),
@@ -201,7 +217,7 @@ func newMetrics() *metrics {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.state, m.stateChanges, m.phaseDuration, m.startupDuration, m.shutdownStep, m.shutdownForced,
-		m.httpInFlight, m.httpRequests, m.httpDuration, m.readinessOK, m.readinessProbes, m.panics,
+		m.httpInFlight, m.httpRequests, m.httpDuration, m.admissionLimit, m.admissionInFlight, m.admissionShed, m.admissionBaseline, m.readinessOK, m.readinessProbes, m.panics,
 		m.connectAttempts, m.heartbeatWritten,
 		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxWakeFailed, m.outboxSequenceFailed, m.outboxLatency,
 		m.sseStreams, m.sseDropped, m.sseSendLag, m.leader, m.leaderTransitions, m.leaderFenced, m.leaderFencedTotal, m.jobs, m.jobDuration,

@@ -67,7 +67,7 @@ func ordersFeature(cfg config) feature {
 		collectors:    []prometheus.Collector{created},
 		routes: []route{
 			{method: http.MethodPost, path: "/api/orders", handler: func(d routeDeps) echo.HandlerFunc {
-				return handleCreateOrder(d.db, newOrderWriter(d.db), d.redis, d.masterKey, d.timeouts, created, d.log.WithField("component", "orders"))
+				return handleCreateOrder(d.db, newOrderWriter(d.db, d.timeouts), d.redis, d.masterKey, d.timeouts, created, d.log.WithField("component", "orders"))
 			}},
 			// An order is read with the token its POST answered (orders_access.go).
 			{method: http.MethodGet, path: "/api/orders/:id", handler: func(d routeDeps) echo.HandlerFunc {

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -19,6 +20,11 @@ import (
 // maxOrderBatch bounds the orders one statement writes (its arrays, its
 // time in PostgreSQL); a full batch is followed by a new one.
 const maxOrderBatch = 64
+
+// errNoTimeToCommit is an order whose request had too little of its budget
+// left to join a statement (orderWriter.margin): it is not written, and the
+// request is answered 503 with Retry-After like any missed deadline.
+var errNoTimeToCommit = fmt.Errorf("too little of the request's budget left to write the order: %w", context.DeadlineExceeded)
 
 // errOrderConflict is an order the statement did not insert because a unique
 // index already holds its public id or its Idempotency-Key: what a unique
@@ -40,13 +46,27 @@ var errOrderConflict = errors.New("the order's public id or Idempotency-Key is t
 // still atomic with its event (one statement), and each request gets its own
 // answer: its row, errOrderConflict, or the statement's error, which
 // retrySafe treats as before; a row the database refuses fails alone (the
-// batch's rows are then written one by one). A request whose budget ends
-// while it waits leaves at once and its order is not written. No goroutine
-// of its own: each statement runs on the goroutine of a request of its
-// batch, which the drain counts as in flight like any other.
+// batch's rows are then written one by one). No goroutine of its own: each
+// statement runs on the goroutine of a request of its batch, which the drain
+// counts as in flight like any other.
+//
+// An order is written if and only if its request is answered with it. So
+// a request decides once, under the lock, whether its order goes into a
+// statement: only with at least margin of its budget left, and never after
+// it has left. Until a statement takes its order, a request whose budget
+// ends leaves at once and its order is not written; once one has, the
+// request waits for the statement's outcome whatever its own deadline, and
+// a committed order is answered 201 even if late — never the 503 that
+// would tell the client to send it again.
 type orderWriter struct {
 	db          *pgxpool.Pool
 	maxInFlight int
+	// margin: the least of its budget a request must have left for its
+	// order to join a statement (timeouts.commitMargin).
+	margin time.Duration
+	// statement bounds a statement once it runs (timeouts.orderStatement),
+	// instead of its requests' deadlines; 0: no bound but the server's.
+	statement time.Duration
 
 	mu       sync.Mutex
 	inFlight int           // statements running
@@ -77,12 +97,17 @@ type orderRow struct {
 	id        int64
 	createdAt time.Time
 	err       error
+
+	// Under orderWriter.mu, each set once: the statement took the order
+	// (its request waits for the outcome), or its request left (the order
+	// is never written).
+	taken, left bool
 }
 
 // newOrderWriter lets half the pool's connections write orders at once: the
 // others stay for delivery, streams and reads.
-func newOrderWriter(db *pgxpool.Pool) *orderWriter {
-	return &orderWriter{db: db, maxInFlight: max(1, int(db.Config().MaxConns)/2)}
+func newOrderWriter(db *pgxpool.Pool, t timeouts) *orderWriter {
+	return &orderWriter{db: db, maxInFlight: max(1, int(db.Config().MaxConns)/2), margin: t.commitMargin, statement: t.orderStatement}
 }
 
 // create writes the order req with publicID atomically with its
@@ -103,11 +128,16 @@ func (w *orderWriter) create(ctx context.Context, publicID uuid.UUID, req newOrd
 		return o, nil
 	}
 	b := w.join(row)
+	if b == nil {
+		return order{}, errNoTimeToCommit
+	}
 	select {
 	case <-b.start:
-		if ctx.Err() == nil && w.takeOn(b) {
-			w.run(b)
-			return answer()
+		if ctx.Err() == nil {
+			if live, ok := w.takeOn(b); ok {
+				w.run(b, live)
+				return answer()
+			}
 		}
 	case <-b.done:
 		return answer()
@@ -117,14 +147,26 @@ func (w *orderWriter) create(ctx context.Context, publicID uuid.UUID, req newOrd
 	case <-b.done:
 		return answer()
 	case <-ctx.Done():
-		w.leave(b)
-		return order{}, fmt.Errorf("creating the order: %w", ctx.Err())
+		if w.leave(b, row) {
+			return order{}, fmt.Errorf("creating the order: %w", ctx.Err())
+		}
+		<-b.done // the statement took the order: its outcome is the answer, however late
+		return answer()
 	}
 }
 
+// inTime says whether r's request has at least the margin of its budget left.
+func (w *orderWriter) inTime(r *orderRow, now time.Time) bool {
+	d, ok := r.ctx.Deadline()
+	return r.ctx.Err() == nil && (!ok || d.Sub(now) >= w.margin)
+}
+
 // join puts row in a batch: one that can run at once, the last waiting one,
-// or a new one.
+// or a new one; nil when its request has too little time left to join any.
 func (w *orderWriter) join(row *orderRow) *orderBatch {
+	if !w.inTime(row, time.Now()) {
+		return nil
+	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if n := len(w.waiting); n > 0 && len(w.waiting[n-1].rows) < maxOrderBatch {
@@ -143,58 +185,67 @@ func (w *orderWriter) join(row *orderRow) *orderBatch {
 	return b
 }
 
-// takeOn says whether this request runs b's statement: the first to ask does.
-func (w *orderWriter) takeOn(b *orderBatch) bool {
+// takeOn says whether this request runs b's statement (the first to ask
+// does) and which orders the statement takes: those whose requests are still
+// there with at least the margin left. The others are answered
+// errNoTimeToCommit, or have left.
+func (w *orderWriter) takeOn(b *orderBatch) (live []*orderRow, ok bool) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if b.running {
-		return false
+		return nil, false
 	}
 	b.running = true
-	return true
+	now := time.Now()
+	for _, r := range b.rows {
+		switch {
+		case r.left:
+		case w.inTime(r, now):
+			r.taken = true
+			live = append(live, r)
+		default:
+			r.err = errNoTimeToCommit
+		}
+	}
+	return live, true
 }
 
-// leave takes a request that gave up out of b. The last one to leave a batch
-// nobody runs takes it out of the queue, or passes its slot on.
-func (w *orderWriter) leave(b *orderBatch) {
+// leave takes a request that gave up out of b, unless the statement already
+// took its order (false: the request must wait for the outcome). The last
+// one to leave a batch nobody runs takes it out of the queue, or passes its
+// slot on.
+func (w *orderWriter) leave(b *orderBatch, row *orderRow) bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	if row.taken {
+		return false
+	}
+	row.left = true
 	if b.waiting--; b.waiting > 0 || b.running {
-		return
+		return true
 	}
 	if i := slices.Index(w.waiting, b); i >= 0 {
 		w.waiting = slices.Delete(w.waiting, i, i+1)
-		return
+		return true
 	}
 	w.handOverLocked() // the slot was b's
+	return true
 }
 
-// run writes b's rows, hands the slot to the next batch and tells every row.
-func (w *orderWriter) run(b *orderBatch) {
+// run writes the live rows of b, hands the slot to the next batch and tells
+// every row.
+func (w *orderWriter) run(b *orderBatch, live []*orderRow) {
 	defer close(b.done)
 	defer w.handOver()
-	var live []*orderRow
-	var deadline time.Time
-	for _, r := range b.rows {
-		if r.ctx.Err() != nil {
-			r.err = fmt.Errorf("creating the order: %w", r.ctx.Err())
-			continue
-		}
-		live = append(live, r)
-		if d, ok := r.ctx.Deadline(); ok && d.After(deadline) {
-			deadline = d
-		}
-	}
 	if len(live) == 0 {
 		return
 	}
-	// The statement is the whole batch's: no single request's cancellation
-	// stops it, and it may run until the last of their budgets ends. Every
-	// other request stops waiting at its own (create).
+	// The statement is the whole batch's, and each of its requests waits for
+	// it: no request's cancellation or deadline stops it, only its own bound.
 	ctx := context.WithoutCancel(live[0].ctx)
-	if !deadline.IsZero() {
+	if w.statement > 0 {
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithDeadline(ctx, deadline)
+		ctx, cancel = context.WithTimeout(ctx, w.statement)
 		defer cancel()
 	}
 	err := w.write(ctx, live)
@@ -209,10 +260,46 @@ func (w *orderWriter) run(b *orderBatch) {
 		}
 		return
 	}
+	if err != nil && outcomeUnknown(err) {
+		w.lookUp(live, err)
+		return
+	}
 	if err != nil {
 		for _, r := range live {
 			r.err = err
 		}
+	}
+}
+
+// outcomeUnknown reports a statement error after which its orders may have
+// committed: neither the server's answer (a PostgreSQL error: the statement
+// was rolled back) nor a failure before it was sent.
+func outcomeUnknown(err error) bool {
+	var pgErr *pgconn.PgError
+	return !errors.As(err, &pgErr) && !pgconn.SafeToRetry(err)
+}
+
+// lookUp finds out which of rows an interrupted statement (its connection
+// lost, its bound reached) committed: those are answered as written, the
+// others with cause. It has a budget of its own (the statement's bound): the
+// requests' may be spent. A statement the server is still running when the
+// look-up reads (its cancel not arrived yet) is not seen; statement_timeout
+// ends it.
+func (w *orderWriter) lookUp(rows []*orderRow, cause error) {
+	ctx := context.WithoutCancel(rows[0].ctx)
+	if w.statement > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, w.statement)
+		defer cancel()
+	}
+	ids := make([]pgtype.UUID, len(rows))
+	byID := make(map[uuid.UUID]*orderRow, len(rows))
+	for i, r := range rows {
+		ids[i], byID[r.publicID], r.err = pgtype.UUID{Bytes: r.publicID, Valid: true}, r, cause
+	}
+	res, err := w.db.Query(ctx, `SELECT id, public_id, created_at FROM orders WHERE public_id = ANY ($1)`, ids)
+	if err == nil {
+		_ = readWritten(res, byID) // what it could not read keeps cause
 	}
 }
 
@@ -284,23 +371,29 @@ func (w *orderWriter) write(ctx context.Context, rows []*orderRow) error {
 	}
 	res, err := w.db.Query(ctx, insertOrdersAndEvents, ids, customers, items, totals, keys, hashes,
 		eventOrderCreated, payloads, traceparents)
+	if err == nil {
+		err = readWritten(res, byID)
+	}
 	if err != nil {
 		return fmt.Errorf("creating the orders: %w", err)
 	}
+	return nil
+}
+
+// readWritten gives each order of res (id, public_id, created_at) to its
+// row in byID, as written.
+func readWritten(res pgx.Rows, byID map[uuid.UUID]*orderRow) error {
 	defer res.Close()
 	for res.Next() {
 		var id int64
 		var publicID pgtype.UUID
 		var createdAt time.Time
 		if err := res.Scan(&id, &publicID, &createdAt); err != nil {
-			return fmt.Errorf("reading the created orders: %w", err)
+			return fmt.Errorf("reading the written orders: %w", err)
 		}
 		if r := byID[publicID.Bytes]; r != nil {
 			r.id, r.createdAt, r.err = id, createdAt, nil
 		}
 	}
-	if err := res.Err(); err != nil {
-		return fmt.Errorf("creating the orders: %w", err)
-	}
-	return nil
+	return res.Err()
 }

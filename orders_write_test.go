@@ -293,3 +293,122 @@ func TestOrderWriterARefusedOrderFailsAlone(t *testing.T) {
 		t.Fatalf("%d events written, want 3: one per written order", got-events)
 	}
 }
+
+// A request with less than the writer's margin left never starts a
+// statement nor joins one: at once when it asks, and when the statement
+// that would have taken its order starts too late for it. The orders that
+// shared its batch are still written.
+func TestOrderWriterStartsNoStatementWithoutTimeToAnswer(t *testing.T) {
+	s := startInProcess(t, fastEnv(t))
+	w := &orderWriter{db: s.app.db, maxInFlight: 1, margin: 10 * time.Second}
+	before := countRows(t, s, "orders")
+
+	short, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := w.create(short, uuid.Must(uuid.NewV7()), testOrder, "", ""); !errors.Is(err, errNoTimeToCommit) {
+		t.Fatalf("an order with 5s left and a 10s margin: %v, want errNoTimeToCommit", err)
+	}
+	if w.inFlight != 0 || len(w.waiting) != 0 || countRows(t, s, "orders") != before {
+		t.Fatalf("after it: %d statements running, %d batches waiting, %d orders written",
+			w.inFlight, len(w.waiting), countRows(t, s, "orders")-before)
+	}
+
+	// Enough time when it joins the batch, too little when the batch starts.
+	var wg sync.WaitGroup
+	release := occupySlot(t, s, w, &wg)
+	deadline := time.Now().Add(w.margin + 300*time.Millisecond)
+	tight, cancelTight := context.WithDeadline(context.Background(), deadline)
+	defer cancelTight()
+	late, patient := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	var lateErr, patientErr error
+	wg.Go(func() { _, lateErr = w.create(tight, late, testOrder, "", "") })
+	waitForWaiting(t, w, 1)
+	wg.Go(func() { _, patientErr = w.create(context.Background(), patient, testOrder, "", "") })
+	waitForWaiting(t, w, 2)
+	for time.Until(deadline) >= w.margin { // the batch's turn comes only once the margin is passed
+		time.Sleep(time.Millisecond)
+	}
+	release()
+	wg.Wait()
+	if !errors.Is(lateErr, errNoTimeToCommit) || countRows(t, s, "orders WHERE public_id = '"+late.String()+"'") != 0 {
+		t.Fatalf("the order whose margin passed while it waited: %v, written %d times; want errNoTimeToCommit, never",
+			lateErr, countRows(t, s, "orders WHERE public_id = '"+late.String()+"'"))
+	}
+	if patientErr != nil || countRows(t, s, "orders WHERE public_id = '"+patient.String()+"'") != 1 {
+		t.Fatalf("the order beside it: %v", patientErr)
+	}
+}
+
+// Once a statement has taken an order, its request waits for the outcome
+// past its own deadline: a committed order is answered, never a deadline
+// error that would have its client send it again. Whichever of the batch's
+// requests runs the statement, the one whose budget ended gets its order.
+func TestOrderWriterAnswersACommittedOrderPastItsDeadline(t *testing.T) {
+	s := startInProcess(t, fastEnv(t))
+	w := &orderWriter{db: s.app.db, maxInFlight: 1}
+	ctx := context.Background()
+	// holdKey inserts an order with key in a transaction left open: an
+	// order with the same key waits for it in the database.
+	holdKey := func(key string) (release func()) {
+		tx, err := s.app.db.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO orders (public_id, customer, items, total_cents, idempotency_key)
+			VALUES ($1, 'Held', '[]', 0, $2)`, uuid.Must(uuid.NewV7()), key); err != nil {
+			t.Fatal(err)
+		}
+		return func() { tx.Rollback(ctx) }
+	}
+	// waitForBlockedStatement waits until an order statement waits for a lock.
+	waitForBlockedStatement := func() {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+			var n int
+			if err := s.app.db.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+				WHERE wait_event_type = 'Lock' AND query LIKE 'WITH o AS%'`).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			if n == 1 {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%d order statements waiting for a lock, want 1", n)
+			}
+		}
+	}
+	releaseFirst, releaseBatch := holdKey("held-1"), holdKey("held-2")
+	defer releaseBatch()
+	first := make(chan error, 1)
+	go func() { _, err := w.create(ctx, uuid.Must(uuid.NewV7()), testOrder, "held-1", "h"); first <- err }()
+	waitForRunning(t, w)
+
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		if _, err := w.create(ctx, uuid.Must(uuid.NewV7()), testOrder, "held-2", "h"); err != nil {
+			t.Error(err)
+		}
+	})
+	waitForWaiting(t, w, 1)
+	budget, endBudget := context.WithCancel(ctx)
+	late := uuid.Must(uuid.NewV7())
+	var got order
+	var lateErr error
+	wg.Go(func() { got, lateErr = w.create(budget, late, testOrder, "", "") })
+	waitForWaiting(t, w, 2)
+
+	releaseFirst()
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	waitForBlockedStatement() // the batch's statement took both orders and waits for held-2
+	endBudget()               // the request's budget ends while its order is in the statement
+	releaseBatch()
+	wg.Wait()
+	if lateErr != nil || got.PublicID != late || got.ID == 0 {
+		t.Fatalf("the order whose budget ended inside its statement: %+v, %v; want it answered as written", got, lateErr)
+	}
+	if n := countRows(t, s, "orders WHERE public_id = '"+late.String()+"'"); n != 1 {
+		t.Fatalf("written %d times, want once", n)
+	}
+}

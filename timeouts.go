@@ -61,6 +61,16 @@ type timeouts struct {
 	// marker: the idempotency marker in Redis only speeds up what
 	// PostgreSQL's unique key decides, so it gives way after this share.
 	marker time.Duration
+	// commitMargin: an order joins a statement only while its request has
+	// this much of its budget left (a fifth of request). A statement takes
+	// a few ms; an order taken with less left would most likely be answered
+	// after its deadline (still with its 201: once taken, its request waits).
+	commitMargin time.Duration
+	// orderStatement bounds an order statement once it runs. Its requests
+	// wait for it past their own deadlines (each must be answered with what
+	// happened to its order), so it is their budget again, not less: a
+	// statement cut short leaves its outcome to be looked up.
+	orderStatement time.Duration
 	// backgroundCall: one call of a background loop (a heartbeat, a lock
 	// renewal, a fence read): a hung dependency costs the loop this, and a
 	// stop waits at most this for a call in flight.
@@ -129,6 +139,8 @@ func newTimeouts(c config) timeouts {
 		poolClose:      2 * time.Second,
 		request:        c.HTTP.DependencyTimeout,
 		marker:         c.HTTP.DependencyTimeout / 4,
+		commitMargin:   c.HTTP.DependencyTimeout / 5,
+		orderStatement: c.HTTP.DependencyTimeout,
 		backgroundCall: time.Second,
 		jobCall:        min(10*time.Second, c.Jobs.Timeout/6),
 		optionalPhase:  min(l.OptionalDependencyTimeout, l.PhaseTimeout),
