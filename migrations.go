@@ -140,7 +140,9 @@ func (d *atomicDriver) Run(migration io.Reader) error {
 		}
 	}
 	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("migration %d rolled back: committing: %w", d.dirty, err)
+		// The commit may have reached the server all the same: the version
+		// row says which, and it is never half-way.
+		return fmt.Errorf("migration %d: commit not confirmed: %w", d.dirty, err)
 	}
 	d.ran = d.dirty
 	return nil
@@ -228,9 +230,10 @@ func (mg *migrator) down(ctx context.Context, n int) error {
 // withContext runs a golang-migrate call that knows no context. On ctx's end
 // it asks for a graceful stop, which golang-migrate honours between
 // migrations, and cancels the migration in progress, which rolls back with
-// its version (atomicDriver): the schema stays at the last version that
-// committed, clean, and the next up goes on from there. The error then says
-// where the schema stands.
+// its version (atomicDriver) unless its commit was already on its way: the
+// schema stays at the last version that committed, clean, and the next up
+// goes on from there. The error then says where the schema stands, read
+// back from the version row.
 func (mg *migrator) withContext(ctx context.Context, fn func() error) error {
 	mg.driver.ctx = ctx
 	defer func() { mg.driver.ctx = context.Background() }()
@@ -255,7 +258,7 @@ func (mg *migrator) withContext(ctx context.Context, fn func() error) error {
 		at = "0 (nothing applied)"
 	}
 	if err != nil {
-		return fmt.Errorf("migrations stopped (%w): the migration in progress rolled back (%v); the schema is at version %s, and the next up goes on from there", context.Cause(ctx), err, at)
+		return fmt.Errorf("migrations stopped (%w) during a migration (%v); the schema is at version %s, the last one that committed, and the next up goes on from there", context.Cause(ctx), err, at)
 	}
 	return fmt.Errorf("migrations stopped (%w) between two migrations; the schema is at version %s, and the next up goes on from there", context.Cause(ctx), at)
 }

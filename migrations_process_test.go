@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"net/url"
 	"os/exec"
@@ -98,6 +99,57 @@ func TestMigrationsAreAllOrNothing(t *testing.T) {
 			if said != "" {
 				t.Logf("a SIGTERM's phase 9 line: %s", said)
 			}
+		})
+	}
+}
+
+// The instance waiting on the migration lock while another applies takes
+// over when that one is killed or stopped mid-apply: it finds the schema
+// clean at the last committed version, applies the rest and becomes ready.
+func TestMigrationsWaitingInstanceFinishesTheApply(t *testing.T) {
+	t.Parallel()
+	tp := testToxiproxy(t)
+	for _, sig := range []syscall.Signal{syscall.SIGKILL, syscall.SIGTERM} {
+		t.Run(sig.String(), func(t *testing.T) {
+			env := fastEnv(t)
+			direct := env["DATABASE_URL"]
+			u, _ := url.Parse(direct)
+			proxy := proxyTo(t, tp, "pg-"+sig.String(), u.Host)
+			// Slow enough that the second instance waits on the lock for seconds.
+			if _, err := proxy.AddToxic("latency", "latency", "downstream", 1, toxiproxy.Attributes{"latency": 10}); err != nil {
+				t.Fatal(err)
+			}
+			env["DATABASE_URL"] = withHost(t, direct, proxy.Listen)
+			latest := shippedLatest(t)
+
+			envA := maps.Clone(env)
+			envA["KUMIKO_INSTANCE_ID"] = "applier"
+			a := startProc(t, envA)
+			waitFor(t, 20*time.Second, "the first instance's apply at version 2", func() bool {
+				v, _ := schemaVersion(t, direct)
+				return v >= 2
+			})
+			envB := maps.Clone(env)
+			envB["KUMIKO_INSTANCE_ID"] = "waiter"
+			b := startProc(t, envB)
+			pool := sharedPool(t, map[string]string{"DATABASE_URL": direct})
+			waitFor(t, 20*time.Second, "the second instance waiting on the migration lock", func() bool {
+				var waiting bool
+				pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT FROM pg_stat_activity
+					WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%pg_advisory_lock%')`).Scan(&waiting)
+				return waiting
+			})
+			a.signal(sig)
+			if code := a.wait(20 * time.Second); sig == syscall.SIGTERM && code != 0 {
+				t.Fatalf("the first instance exited %d on SIGTERM during its apply, want 0", code)
+			}
+			stoppedAt, _ := schemaVersion(t, direct)
+
+			b.waitReady()
+			if v, dirty := schemaVersion(t, direct); v != latest || dirty {
+				t.Fatalf("after the waiting instance's boot: version %d, dirty %t; want %d clean", v, dirty, latest)
+			}
+			t.Logf("first instance %s at version %d (of %d); the waiting one applied the rest and is ready", sig, stoppedAt, latest)
 		})
 	}
 }
