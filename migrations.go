@@ -180,9 +180,10 @@ type schemaStatus struct {
 	Pending []uint
 }
 
-// status reads the version under the migration lock: while another instance
-// applies a migration the version row is marked dirty, and an unlocked read
-// would mistake that for a migration that failed half-way.
+// status reads the version under the migration lock: while an instance of
+// an earlier release (before atomicDriver) applies a migration the version
+// row is marked dirty, and an unlocked read would mistake that for a
+// migration that failed half-way.
 func (mg *migrator) status() (schemaStatus, error) {
 	if err := mg.driver.Lock(); err != nil {
 		return schemaStatus{}, fmt.Errorf("taking the migration lock: %w", err)
