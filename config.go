@@ -610,7 +610,7 @@ type unknownVar struct{ name, closest string }
 // KUMIKO_REQUIRE_SERVICES) still starts the service. TestEnvNamesInTheTree
 // keeps the list complete.
 func toolingEnv() []string {
-	return []string{"KUMIKO_BENCH_BINARY", "KUMIKO_FLEET_FAULT", "KUMIKO_FUZZTIME", "KUMIKO_K8S_CACHE", "KUMIKO_K8S_SMOKE",
+	return []string{"KUMIKO_BENCH_BINARY", "KUMIKO_BIN", "KUMIKO_FLEET_FAULT", "KUMIKO_FUZZTIME", "KUMIKO_K8S_CACHE", "KUMIKO_K8S_SMOKE",
 		"KUMIKO_REGENERATE", "KUMIKO_REQUIRE_SERVICES", "KUMIKO_SCREENSHOT", "KUMIKO_TEST_REDIS_OUTAGE"}
 }
 
