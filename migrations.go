@@ -316,7 +316,7 @@ func (mg *migrator) dirtySchema(ctx context.Context, version uint) error {
 		return fmt.Errorf("schema version %d is dirty: migration %d was interrupted, and a trial run of it could not tell whether its changes are present (%v); inspect the schema, then run `kumiko-lifecycle-demo migrate force %d` if they are, or `migrate force %d` if not (scripts/migrate-force.sh)",
 			version, version, trialErr, version, before)
 	case applies:
-		return fmt.Errorf("schema version %d is dirty: migration %d was interrupted and its changes are absent (a trial run of it, rolled back, applies cleanly); mend it with `kumiko-lifecycle-demo migrate force %d` (scripts/migrate-force.sh %d), and the next boot applies %d again",
+		return fmt.Errorf("schema version %d is dirty: migration %d was interrupted and its changes are absent, or it is safe to run again (a trial run of it, rolled back, applies cleanly); mend it with `kumiko-lifecycle-demo migrate force %d` (scripts/migrate-force.sh %d), and the next boot applies %d again",
 			version, version, before, before, version)
 	default:
 		return fmt.Errorf("schema version %d is dirty: migration %d was interrupted after its changes committed (a trial run of it fails on them); mend it with `kumiko-lifecycle-demo migrate force %d` (scripts/migrate-force.sh %d)",
