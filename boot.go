@@ -195,7 +195,8 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	if err := a.retry(ctx, p, "outboxPoller", 3, poller.Start); err != nil {
 		return err
 	}
-	a.lc.RegisterShutdownHook("outboxPoller", within(a.timeouts.batchFinish, poller.Stop))
+	// The batch in hand finishes, then the poller leaves the pollers (a Redis release).
+	a.lc.RegisterShutdownHook("outboxPoller", within(a.timeouts.batchFinish+a.timeouts.redisRelease, poller.Stop))
 	a.lc.OnStateChange(recordStateChanges(a.db, a.cfg.InstanceID, a.timeouts.request, a.log.WithField("component", "events")))
 	return nil
 }

@@ -112,22 +112,34 @@ func (e *elector) Start(ctx context.Context) error {
 	}, e.run)
 }
 
-// run tries to lead until the elector stops. An acquisition in progress is
-// not cut short by the soft stop, so the lock is never set without this
-// instance knowing it holds it (and then releasing it).
+// run tries to lead until the elector stops.
 func (e *elector) run(ctx context.Context) {
 	// Followers hear a release at once instead of at their next try.
 	released := e.rdb.Subscribe(ctx, leaderReleased)
 	defer released.Close()
 	wake := released.Channel()
 
+	// An acquisition or renewal in flight ends when the stop begins: a stop
+	// must not wait for a slow Redis. The lock is released right after (a
+	// SETNX cut short is undone in acquire).
 	stopping := e.stopping()
+	calls, cancelCalls := context.WithCancel(ctx)
+	defer cancelCalls()
+	watch := e.goOwned(ctx, func(ctx context.Context) {
+		select {
+		case <-stopping:
+			cancelCalls()
+		case <-ctx.Done():
+		}
+	})
+	defer watch.stop()
+
 	tick := time.NewTicker(e.renew)
 	defer tick.Stop()
 	for {
-		token, value, sent, ok := e.acquire(ctx)
+		token, value, sent, ok := e.acquire(calls)
 		if ok {
-			e.serve(ctx, stopping, token, value, sent)
+			e.serve(ctx, calls, stopping, token, value, sent)
 		}
 		select {
 		case <-stopping: // first: a tick that is also due must not start another acquisition
@@ -145,21 +157,33 @@ func (e *elector) run(ctx context.Context) {
 
 // acquire tries to take the lock. The fencing token is drawn first, above
 // the fence the database holds, so every acquisition carries a larger token
-// than any leader before it, even after Redis lost its counter. The whole try
-// is bounded by one renew interval (at least e.call), so a slow Redis still
-// elects a leader and a hung one delays a stop by no more. sent is when the
-// SETNX was sent: the lock's TTL runs from no earlier.
+// than any leader before it, even after Redis lost its counter. Each call is
+// bounded by e.call: go-redis ends a call at its deadline, not when its
+// context is cancelled, so this bound is also what a stop waits for at
+// most. (A Redis slower than that elects no new leader; the one that leads
+// keeps leading, its renewals may take until its renew deadline.) sent is
+// when the SETNX was sent: the lock's TTL runs from no earlier.
 func (e *elector) acquire(ctx context.Context) (token int64, value string, sent time.Time, ok bool) {
-	ctx, cancel := context.WithTimeout(ctx, max(e.renew, e.call))
-	defer cancel()
-	floor, err := e.fence(ctx)
+	stopped := ctx
+	call := func() (context.Context, context.CancelFunc) { return context.WithTimeout(ctx, e.call) }
+	fctx, cancel := call()
+	floor, err := e.fence(fctx)
+	cancel()
+	if stopped.Err() != nil {
+		return 0, "", time.Time{}, false
+	}
 	if err != nil {
 		// Without the fence a token may be stale; the scheduler cannot work
 		// without the database anyway.
 		e.log.WithError(err).Warn("reading the fencing token from the database")
 		return 0, "", time.Time{}, false
 	}
-	res, err := drawScript.Run(ctx, e.rdb, []string{leaderTokenKey}, floor).Int64Slice()
+	dctx, cancel := call()
+	res, err := drawScript.Run(dctx, e.rdb, []string{leaderTokenKey}, floor).Int64Slice()
+	cancel()
+	if stopped.Err() != nil {
+		return 0, "", time.Time{}, false
+	}
 	if err != nil || len(res) != 2 {
 		e.log.WithError(err).Warn("drawing a fencing token")
 		return 0, "", time.Time{}, false
@@ -170,12 +194,17 @@ func (e *elector) acquire(ctx context.Context) (token int64, value string, sent 
 	}
 	value = e.instanceID + ":" + strconv.FormatInt(token, 10)
 	sent = time.Now()
-	ok, err = e.rdb.SetNX(ctx, leaderKey, value, e.ttl).Result()
+	sctx, cancel := call()
+	defer cancel()
+	ok, err = e.rdb.SetNX(sctx, leaderKey, value, e.ttl).Result()
 	switch {
 	case err != nil:
-		e.log.WithError(err).Warn("trying the leader lock")
-		// A SETNX that timed out may still have been applied: this instance
-		// would hold a lock it does not know of. Only its own value is deleted.
+		if stopped.Err() == nil {
+			e.log.WithError(err).Warn("trying the leader lock")
+		}
+		// A SETNX that timed out or was cut short may still have been
+		// applied: this instance would hold a lock it does not know of. Only
+		// its own value is deleted.
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.release)
 		defer cancel()
 		compareAndDelete.Run(rctx, e.rdb, []string{leaderKey}, value)
@@ -214,8 +243,8 @@ func (e *elector) setFenced(fenced bool) {
 // past it this instance stops acting, before anyone else can take over. A
 // renewal may take until that deadline, so a slow Redis keeps its leader.
 // Config validation keeps renewInterval ≤ lockTtl/3: at least two renewals
-// fit before the deadline.
-func (e *elector) serve(ctx context.Context, stopping <-chan struct{}, token int64, value string, acquired time.Time) {
+// fit before the deadline. Renewals run on calls, which the stop ends.
+func (e *elector) serve(ctx, calls context.Context, stopping <-chan struct{}, token int64, value string, acquired time.Time) {
 	log := e.log.WithField("fencing_token", token)
 	e.setLeading(true)
 	// The token was drawn above the fence: leading with it ends a fencing
@@ -224,18 +253,6 @@ func (e *elector) serve(ctx context.Context, stopping <-chan struct{}, token int
 	log.Info("became leader")
 	var leadErr error // written by lead's goroutine, read after it returned
 	leading := e.goOwned(ctx, func(ctx context.Context) { leadErr = e.lead(ctx, token) })
-	// A renewal in flight ends when the stop begins: the lock is released
-	// right after, and a stop must not wait for a slow Redis.
-	renewCtx, cancelRenewals := context.WithCancel(ctx)
-	defer cancelRenewals()
-	watch := e.goOwned(ctx, func(ctx context.Context) {
-		select {
-		case <-stopping:
-			cancelRenewals()
-		case <-ctx.Done():
-		}
-	})
-	defer watch.stop()
 
 	deadline := acquired.Add(e.ttl - e.renew)
 	stepDown := time.NewTimer(time.Until(deadline))
@@ -259,11 +276,11 @@ func (e *elector) serve(ctx context.Context, stopping <-chan struct{}, token int
 			}
 			// Bounded by the step-down deadline, so a renewal in flight can
 			// never keep this instance leading past it.
-			rctx, cancel := context.WithDeadline(renewCtx, deadline)
+			rctx, cancel := context.WithDeadline(calls, deadline)
 			n, err := renewScript.Run(rctx, e.rdb, []string{leaderKey}, value, e.ttl.Milliseconds()).Int()
 			cancel()
 			switch {
-			case renewCtx.Err() != nil: // stopping: the next select says so
+			case calls.Err() != nil: // stopping: the next select says so
 			case err != nil:
 				log.WithError(err).Warn("renewing the leader lock")
 				renew.Reset(e.renew / 4)

@@ -90,7 +90,14 @@ func TestProcessFleetFaultsThroughHAProxy(t *testing.T) {
 		}
 		return n
 	}
-	waitFor(t, 10*time.Second, "a leader", func() bool { return becameLeader() > 0 })
+	leaders := func() int { // leading now: became minus stopped
+		n := becameLeader()
+		for _, p := range apps {
+			n -= len(p.logsMatching(map[string]any{"msg": "stopped leading"}))
+		}
+		return n
+	}
+	waitFor(t, 10*time.Second, "a leader", func() bool { return leaders() == 1 })
 
 	faults := []struct {
 		name       string
@@ -145,10 +152,12 @@ func TestProcessFleetFaultsThroughHAProxy(t *testing.T) {
 		if n := becameLeader() - leadersBefore; n > f.maxLeaders {
 			t.Errorf("%s: leadership was taken %d times, want at most %d", f.name, n, f.maxLeaders)
 		}
-		// Between faults: both instances back in HAProxy's pool.
+		// Between faults: both instances back in HAProxy's pool, and a
+		// leadership lost in this fault taken again before the next one.
 		for i := range apps {
 			waitReadiness(t, opsURLs[i], http.StatusOK, 10*time.Second)
 		}
+		waitFor(t, 20*time.Second, "one leader after "+f.name, func() bool { return leaders() == 1 })
 	}
 	t.Logf("each fault %s, 50 orders/s through HAProxy (check every 500 ms, fall 1), two instances:\n"+
 		"| fault | failed orders | own 503 + Retry-After, with key | same, without key | readiness not 200 | readiness p99 | leader acquisitions |\n"+

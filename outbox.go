@@ -181,10 +181,16 @@ func (p *outboxPoller) run(ctx context.Context) {
 // It also recounts the pending events: the count reads every pending row, so
 // it runs once a beat, not once a poll (with a backlog of 200,000 and four
 // pollers polling every 50 ms, the counting cost Postgres more than the
-// delivery did).
+// delivery did). Once the stop has begun it makes no further Redis call: a
+// stop waits for one call in flight (backgroundCall), not for a row of them.
 func (p *outboxPoller) beatNow(ctx context.Context) {
 	if err := p.beat.beat(ctx); err != nil && ctx.Err() == nil {
 		p.log.WithError(err).Warn("heartbeat")
+	}
+	select {
+	case <-p.stopping():
+		return
+	default:
 	}
 	if err := p.share.join(ctx); err != nil && ctx.Err() == nil {
 		p.log.WithError(err).Warn("refreshing this poller's entry")
