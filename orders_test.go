@@ -622,12 +622,12 @@ func TestSSESendLagIsObserved(t *testing.T) {
 
 	// A sample is taken once its write returned, which may be after the client read it.
 	var m dto.Metric
-	for deadline := time.Now().Add(5 * time.Second); m.GetHistogram().GetSampleCount() == 0 && time.Now().Before(deadline); {
-		time.Sleep(5 * time.Millisecond)
+	poll(5*time.Second, 5*time.Millisecond, func() bool {
 		if err := s.app.metrics.sseSendLag.Write(&m); err != nil {
 			t.Fatal(err)
 		}
-	}
+		return m.GetHistogram().GetSampleCount() > 0
+	})
 	h := m.GetHistogram()
 	if n := h.GetSampleCount(); n == 0 || n > uint64(received) {
 		t.Fatalf("kumiko_sse_send_lag_seconds has %d samples for %d events received, want 1 to %d (one per write)", n, received, received)
