@@ -330,3 +330,12 @@ func poll(timeout, interval time.Duration, cond func() bool) bool {
 	}
 	return true
 }
+
+// pace calls send every interval until ctx ends or send returns false: a
+// client with a rate of its own. It is the suite's one paced loop; the load
+// a process test puts on the service is a rate in real time.
+func pace(ctx context.Context, interval time.Duration, send func() bool) {
+	for ctx.Err() == nil && send() {
+		time.Sleep(interval) // real time: the client's pace, not a wait for anything
+	}
+}
