@@ -206,7 +206,7 @@ func (c *config) settings() []configSetting {
 			doc: "requests one client IP may send at once"},
 		{key: "http.concurrencyMax", env: "KUMIKO_API_CONCURRENCY_MAX", def: "500", value: uintValue{p: &c.HTTP.ConcurrencyMax},
 			doc: "API requests worked on at once, at most: the ceiling of the adaptive limit, beyond which requests get 503 with Retry-After at once; 0 turns admission control off"},
-		{key: "http.concurrencyMin", env: "KUMIKO_API_CONCURRENCY_MIN", def: "16", value: uintValue{p: &c.HTTP.ConcurrencyMin, min: 1},
+		{key: "http.concurrencyMin", env: "KUMIKO_API_CONCURRENCY_MIN", def: "32", value: uintValue{p: &c.HTTP.ConcurrencyMin, min: 1},
 			doc: "the adaptive limit starts here and never goes below, however slow the requests get"},
 		{key: "http.latencyTolerance", env: "KUMIKO_API_LATENCY_TOLERANCE", def: "200", value: uintValue{p: &c.HTTP.LatencyTolerance, min: 101, max: 1000},
 			doc: "percent: the limit shrinks while the median API latency is above this share of its long-term baseline; higher trades latency for goodput"},
@@ -610,7 +610,7 @@ type unknownVar struct{ name, closest string }
 // KUMIKO_REQUIRE_SERVICES) still starts the service. TestEnvNamesInTheTree
 // keeps the list complete.
 func toolingEnv() []string {
-	return []string{"KUMIKO_BENCH_BINARY", "KUMIKO_FLEET_FAULT", "KUMIKO_FUZZTIME", "KUMIKO_K8S_CACHE", "KUMIKO_K8S_SMOKE",
+	return []string{"KUMIKO_BENCH_BINARY", "KUMIKO_BIN", "KUMIKO_FLEET_FAULT", "KUMIKO_FUZZTIME", "KUMIKO_K8S_CACHE", "KUMIKO_K8S_SMOKE",
 		"KUMIKO_REGENERATE", "KUMIKO_REQUIRE_SERVICES", "KUMIKO_SCREENSHOT", "KUMIKO_TEST_REDIS_OUTAGE"}
 }
 

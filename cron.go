@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"time"
 
@@ -152,20 +153,82 @@ func previousTick(s cron.Schedule, now time.Time) (time.Time, bool) {
 	return time.Time{}, false
 }
 
-// followingTick is the tick to wait for after firing fired at now. A late
-// scheduler (a paused process, a slow enqueue) skips to the newest due tick
-// rather than fire a burst of stale ones: missed ticks are not caught up, a
-// report is about now. Zero when the schedule has no further tick.
-func followingTick(s cron.Schedule, fired, now time.Time) time.Time {
-	next := s.Next(fired)
-	for !next.IsZero() {
-		after := s.Next(next)
+// newestDue is the tick to fire when due, the oldest tick not yet fired, is
+// at or before now: due itself, or the newest tick at or before now when the
+// scheduler woke late (a paused process, a slow enqueue, a wall clock that
+// stepped forward). Missed ticks are not caught up: a report is about now.
+func newestDue(s cron.Schedule, due, now time.Time) time.Time {
+	for {
+		after := s.Next(due)
 		if after.IsZero() || after.After(now) {
-			return next
+			return due
 		}
-		next = after
+		due = after
 	}
-	return next
+}
+
+// cronRecheck is the longest the scheduler sleeps without reading the wall
+// clock. Ticks are wall-clock instants, but a timer counts elapsed time:
+// after the wall clock steps (NTP, a resumed VM, an operator), a timer set
+// for the old distance fires late or early by the size of the step. Waking
+// at least this often and recomputing the wait bounds that to this.
+const cronRecheck = time.Second
+
+// cronLoop fires the ticks of schedules on the wall clock.
+type cronLoop struct {
+	schedules []cron.Schedule
+	now       func() time.Time // the wall clock; nil: time.Now (a test steps its own)
+}
+
+// run waits for the earliest of next (each schedule's next tick), fires
+// every schedule whose tick is due (newestDue) and moves it on, until ctx
+// ends (nil) or fire fails (its error). A wall clock that steps forward gets
+// the newest due tick fired within cronRecheck; one that steps back fires no
+// tick twice: each schedule goes on from its last fired tick when the clock
+// shows it again. Each beat calls onBeat.
+func (l cronLoop) run(ctx context.Context, next []time.Time, fire func(i int, tick time.Time) error, beat <-chan time.Time, onBeat func()) error {
+	timer := time.NewTimer(l.wait(next))
+	defer timer.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-beat:
+			onBeat()
+		case <-timer.C:
+			now := l.clock()
+			for i, s := range l.schedules {
+				if next[i].IsZero() || next[i].After(now) {
+					continue // zero: a spec that never matches (robfig gives up after 5 years)
+				}
+				tick := newestDue(s, next[i], now)
+				if err := fire(i, tick); err != nil {
+					return err
+				}
+				next[i] = s.Next(tick)
+			}
+			timer.Reset(l.wait(next))
+		}
+	}
+}
+
+// wait is the time to the earliest next tick on the wall clock, at most cronRecheck.
+func (l cronLoop) wait(next []time.Time) time.Duration {
+	now := l.clock()
+	first := now.Add(cronRecheck)
+	for _, t := range next {
+		if !t.IsZero() && t.Before(first) {
+			first = t
+		}
+	}
+	return first.Sub(now)
+}
+
+func (l cronLoop) clock() time.Time {
+	if l.now != nil {
+		return l.now()
+	}
+	return time.Now()
 }
 
 // mustSchedule is parseSchedule for a spec phase 6 has already validated.

@@ -1,8 +1,13 @@
 package main
 
 import (
+	"context"
+	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/robfig/cron/v3"
@@ -28,7 +33,7 @@ func TestParseScheduleRefusesSpecsThatCannotWork(t *testing.T) {
 	}
 }
 
-// previousTick and followingTick end on a schedule without ticks instead of
+// previousTick and newestDue end on a schedule without ticks instead of
 // spinning on robfig's zero time (issue 20: the leader sat at 98 % CPU).
 func TestNoCronLoopSpinsOnAZeroTime(t *testing.T) {
 	never, err := cronParser.Parse("0 0 30 2 *") // parsed directly: parseSchedule refuses it
@@ -42,8 +47,8 @@ func TestNoCronLoopSpinsOnAZeroTime(t *testing.T) {
 		if prev, ok := previousTick(never, now); ok {
 			t.Errorf("previousTick of a spec that never matches = %s", prev)
 		}
-		if next := followingTick(never, now, now); !next.IsZero() {
-			t.Errorf("followingTick of a spec that never matches = %s", next)
+		if due := newestDue(never, now, now); !due.Equal(now) {
+			t.Errorf("newestDue of a spec that never matches = %s, want the due tick itself", due)
 		}
 		if next := (wallClock{spec: mustSpec(t, "0 0 30 2 *")}).Next(now); !next.IsZero() {
 			t.Errorf("wallClock.Next of a spec that never matches = %s", next)
@@ -67,7 +72,8 @@ func mustSpec(t *testing.T, spec string) *cron.SpecSchedule {
 
 // ticksBetween runs a schedule the way scheduler.lead does, on a fake clock
 // stepped a minute at a time from start to end: the first wait is
-// schedule.Next(start), after each firing followingTick.
+// schedule.Next(start); a due tick fires as newestDue, then the wait is for
+// the tick after it.
 func ticksBetween(t *testing.T, spec string, start, end time.Time) []string {
 	t.Helper()
 	s, err := parseSchedule(spec)
@@ -78,8 +84,9 @@ func ticksBetween(t *testing.T, spec string, start, end time.Time) []string {
 	next := s.Next(start)
 	for now := start; !now.After(end); now = now.Add(time.Minute) {
 		if !next.IsZero() && !next.After(now) {
-			fired = append(fired, next.UTC().Format("01-02 15:04Z")+" ("+next.In(s.(wallClock).spec.Location).Format("15:04 MST")+")")
-			next = followingTick(s, next, now)
+			tick := newestDue(s, next, now)
+			fired = append(fired, tick.UTC().Format("01-02 15:04Z")+" ("+tick.In(s.(wallClock).spec.Location).Format("15:04 MST")+")")
+			next = s.Next(tick)
 		}
 	}
 	return fired
@@ -198,4 +205,64 @@ func refusedInPhase6(t *testing.T, env map[string]string, want ...string) {
 	if p.logsMatching(map[string]any{"phase": "dbConnect"}) != nil {
 		t.Error("the boot went on past phase 6")
 	}
+}
+
+// Ticks are wall-clock instants, while a timer counts elapsed time (issue
+// 32: a wall-clock step delayed the next tick by the size of the step). On a
+// clock the test controls — synctest's fake time for the timers, plus an
+// offset it steps for the wall clock — a step of +1 h gets the newest due
+// tick fired within cronRecheck and no stale one before it; a step of −1 h
+// fires no tick twice, and the schedule goes on when the clock shows its
+// next tick again.
+func TestCronFollowsAWallClockThatSteps(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var step atomic.Int64
+		wall := func() time.Time { return time.Now().Round(0).Add(time.Duration(step.Load())) }
+		s, err := parseSchedule("CRON_TZ=UTC */5 * * * *")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var mu sync.Mutex
+		var fired []string // "tick@wall time of the firing"
+		fire := func(_ int, tick time.Time) error {
+			mu.Lock()
+			defer mu.Unlock()
+			fired = append(fired, tick.UTC().Format("15:04:05")+"@"+wall().UTC().Format("15:04:05"))
+			return nil
+		}
+		ctx, cancel := context.WithCancel(t.Context())
+		done := make(chan error)
+		go func() {
+			done <- cronLoop{schedules: []cron.Schedule{s}, now: wall}.run(ctx, []time.Time{s.Next(wall())}, fire, nil, nil)
+		}()
+		firedSince := func(n int) []string {
+			synctest.Wait()
+			mu.Lock()
+			defer mu.Unlock()
+			return slices.Clone(fired[n:])
+		}
+
+		time.Sleep(6 * time.Minute) // the wall clock shows 00:06
+		if got := firedSince(0); !slices.Equal(got, []string{"00:05:00@00:05:00"}) {
+			t.Fatalf("before any step: fired %v", got)
+		}
+		step.Store(int64(time.Hour)) // 00:06 → 01:06
+		time.Sleep(cronRecheck)
+		if got := firedSince(1); !slices.Equal(got, []string{"01:05:00@01:06:01"}) {
+			t.Fatalf("a step of +1 h at 00:06: fired %v within %s, want the newest due tick 01:05 alone", got, cronRecheck)
+		}
+		time.Sleep(4*time.Minute - cronRecheck) // 01:10
+		if got := firedSince(2); !slices.Equal(got, []string{"01:10:00@01:10:00"}) {
+			t.Fatalf("after the step forward: fired %v, want 01:10 on time", got)
+		}
+		step.Store(0) // 01:10 → 00:10
+		time.Sleep(time.Hour + 6*time.Minute)
+		if got := firedSince(3); !slices.Equal(got, []string{"01:15:00@01:15:00"}) {
+			t.Fatalf("a step of −1 h at 01:10, then 66 minutes: fired %v, want no tick twice and 01:15 when the clock shows it", got)
+		}
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	})
 }

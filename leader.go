@@ -392,11 +392,13 @@ func (s *scheduler) fence(ctx context.Context) (int64, error) {
 
 // lead is elector.lead. Every schedule keeps its own next tick, computed
 // from its last tick, never from "now" at some unrelated wake-up, so neither
-// a heartbeat, a renew interval nor another schedule can postpone it; one
-// timer is set to the earliest of them. Policy for missed ticks: on taking
-// over, the newest tick of the last interval is enqueued (a no-op when the
-// previous leader did); older missed ticks are not — a report is about now,
-// not a backlog. A tick refused by the fence ends lead with a *fencedError:
+// a heartbeat, a renew interval nor another schedule can postpone it; the
+// wait for the earliest of them is read from the wall clock (cronLoop), so a
+// clock that steps cannot either. Policy for missed ticks: on taking over,
+// the newest tick of the last interval is enqueued (a no-op when the
+// previous leader did), and a scheduler that wakes late enqueues the newest
+// due tick; older missed ticks are not — a report is about now, not a
+// backlog. A tick refused by the fence ends lead with a *fencedError:
 // the elector steps down and acquires a valid token.
 func (s *scheduler) lead(ctx context.Context, token int64) error {
 	log := s.log.WithField("fencing_token", token)
@@ -414,47 +416,17 @@ func (s *scheduler) lead(ctx context.Context, token int64) error {
 	s.heartbeat(ctx)
 	now := time.Now()
 	next := make([]time.Time, len(s.crons))
+	schedules := make([]cron.Schedule, len(s.crons))
 	for i, c := range s.crons {
 		if prev, ok := previousTick(c.schedule, now); ok {
 			if err := s.enqueue(ctx, log, token, c.cronJob, prev); err != nil {
 				return err
 			}
 		}
-		next[i] = c.schedule.Next(now)
+		next[i], schedules[i] = c.schedule.Next(now), c.schedule
 	}
-	timer := time.NewTimer(time.Until(earliest(next)))
-	defer timer.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-beat.C:
-			s.heartbeat(ctx)
-		case <-timer.C:
-			for i, c := range s.crons {
-				if next[i].IsZero() || next[i].After(time.Now()) {
-					continue // zero: a spec that never matches (robfig gives up after 5 years)
-				}
-				if err := s.enqueue(ctx, log, token, c.cronJob, next[i]); err != nil {
-					return err
-				}
-				next[i] = followingTick(c.schedule, next[i], time.Now())
-			}
-			timer.Reset(time.Until(earliest(next)))
-		}
-	}
-}
-
-// earliest is the soonest of the schedules' next ticks (a day away if there
-// are none, which bootValidation does not forbid).
-func earliest(ts []time.Time) time.Time {
-	first := time.Now().Add(24 * time.Hour)
-	for _, t := range ts {
-		if !t.IsZero() && t.Before(first) {
-			first = t
-		}
-	}
-	return first
+	fire := func(i int, tick time.Time) error { return s.enqueue(ctx, log, token, s.crons[i].cronJob, tick) }
+	return cronLoop{schedules: schedules}.run(ctx, next, fire, beat.C, func() { s.heartbeat(ctx) })
 }
 
 // raiseFence sets the fence to token unless a newer leader raised it

@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -35,9 +34,6 @@ const (
 	maxQty            = 1_000_000
 	maxPriceCents     = 100_000_000
 	maxIdempotencyKey = 255
-	// idempotencyMarkerTTL bounds how long a crashed request can block its key:
-	// after it the marker is gone and the unique column decides.
-	idempotencyMarkerTTL = 5 * time.Minute
 )
 
 // ordersFeature is the demo's business capability: orders taken over the
@@ -235,7 +231,8 @@ func decodeOrder(c echo.Context) (newOrder, error) {
 // event are written in one statement, which the orders of concurrent
 // requests share (orderWriter). With an Idempotency-Key, the unique
 // column is the truth (it survives a crash that loses the Redis marker); the
-// marker turns a concurrent duplicate into a 409 instead of a race. Every
+// marker, a lease held while the request runs, turns a concurrent duplicate
+// into a 409 with Retry-After (or a 422 for another body) instead of a race. Every
 // dependency call shares the request's budget (t.request): a hung database
 // is a 503 within it, and a Redis that does not answer within t.marker gives
 // way to the unique column. The answer carries the order's read token
@@ -295,40 +292,42 @@ func handleCreateOrder(db *pgxpool.Pool, w *orderWriter, rdb *redis.Client, key 
 			return err
 		}
 
-		// In flight right now? The marker holds this request's own token, so
-		// only this request can release it (see releaseMarker).
-		marker := idempotencyKeyPrefix + key
-		token := rand.Text()
-		mctx, cancelMarker := context.WithTimeout(ctx, t.marker)
-		acquired, err := rdb.SetNX(mctx, marker, token, idempotencyMarkerTTL).Result()
-		cancelMarker()
+		// In flight right now? The marker is a lease its request renews while
+		// it runs (orders_idempotency.go), so a holder that died frees the key
+		// within idempotencyLease.
+		lease, holderHash, err := claimMarker(ctx, rdb, idempotencyKeyPrefix+key, hash, t.marker)
 		switch {
-		case err == nil && !acquired:
-			if o, err := byKey(); err == nil {
-				return replay(c, o) // it finished in the meantime
-			}
-			created.WithLabelValues("conflict").Inc()
-			return apiError(http.StatusConflict, "request_in_progress", "a request with this Idempotency-Key is still in progress; retry later")
 		case err != nil:
 			// Without Redis the unique column still prevents a second order;
 			// a concurrent duplicate is then answered with the first order.
 			log.WithError(err).Warn("idempotency marker unavailable, relying on the unique key")
-		}
-		// Released also after an error: a SETNX that timed out may still have
-		// been applied, and only this request's token is deleted.
-		defer func() {
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.marker)
-			defer cancel()
-			if err := releaseMarker(rctx, rdb, marker, token); err != nil {
-				log.WithError(err).Debug("releasing the idempotency marker; it expires by itself")
+		case lease == nil:
+			if o, err := byKey(); err == nil {
+				return replay(c, o) // it finished in the meantime
+			} else if !errors.Is(err, pgx.ErrNoRows) {
+				return err // errKeyReused, or the database's trouble
 			}
-		}()
+			if holderHash != hash {
+				return errKeyReused
+			}
+			created.WithLabelValues("conflict").Inc()
+			c.Response().Header().Set("Retry-After", "1")
+			return apiError(http.StatusConflict, "request_in_progress", "a request with this Idempotency-Key is still in progress; retry later")
+		default:
+			defer func() {
+				if err := lease.release(context.WithoutCancel(ctx)); err != nil {
+					log.WithError(err).Debug("releasing the idempotency marker; its lease lapses by itself")
+				}
+			}()
+		}
 
 		o, err := create(key, hash)
 		if errors.Is(err, pgx.ErrNoRows) {
 			// The key's unique index refused this order: another request
-			// with the same key won the race.
-			if o, err := byKey(); err == nil {
+			// with the same key won the race. Its order is this request's
+			// answer, or errKeyReused when its body was another.
+			o, err = byKey()
+			if err == nil {
 				return replay(c, o)
 			}
 		}
@@ -338,16 +337,6 @@ func handleCreateOrder(db *pgxpool.Pool, w *orderWriter, rdb *redis.Client, key 
 		createdNew.Inc()
 		return answer(c, o)
 	}
-}
-
-// releaseMarker removes this request's idempotency marker, and only its own: a
-// plain DEL would let a first request that outlived its marker's TTL delete
-// the marker of a second request with the same key.
-func releaseMarker(ctx context.Context, rdb *redis.Client, marker, token string) error {
-	if err := compareAndDelete.Run(ctx, rdb, []string{marker}, token).Err(); err != nil {
-		return fmt.Errorf("releasing idempotency marker %s: %w", marker, err)
-	}
-	return nil
 }
 
 // createdOrder is the answer to POST /api/orders: the order, and the

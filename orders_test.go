@@ -241,10 +241,15 @@ func TestOrderIdempotency(t *testing.T) {
 		t.Fatalf("reused key: %d %v", code, body)
 	}
 
-	// A request still in flight elsewhere (its marker is set) makes a duplicate a 409.
-	s.app.redis.Set(context.Background(), idempotencyKeyPrefix+"order-in-flight", "in-flight", 0)
-	if code, _, body := post(t, api+"/api/orders", validOrder, map[string]string{"Idempotency-Key": "order-in-flight"}); code != 409 {
-		t.Fatalf("duplicate of an in-flight request: %d %v", code, body)
+	// A request still in flight elsewhere (its marker is set) makes a
+	// duplicate a 409 with Retry-After, and another body with its key a 422.
+	s.app.redis.Set(context.Background(), idempotencyKeyPrefix+"order-in-flight", fingerprintOf(t, validOrder)+" token-of-another", 0)
+	inFlight := map[string]string{"Idempotency-Key": "order-in-flight"}
+	if code, hdr, body := post(t, api+"/api/orders", validOrder, inFlight); code != 409 || hdr.Get("Retry-After") == "" {
+		t.Fatalf("duplicate of an in-flight request: %d (Retry-After %q) %v", code, hdr.Get("Retry-After"), body)
+	}
+	if code, _, body := post(t, api+"/api/orders", `{"customer":"Bob","items":[{"sku":"x","qty":1,"priceCents":1}]}`, inFlight); code != 422 {
+		t.Fatalf("another body with the key of an in-flight request: %d %v", code, body)
 	}
 
 	// Concurrent duplicates: one order; every answer is that order or a 409.
@@ -274,7 +279,9 @@ func TestOrderIdempotency(t *testing.T) {
 	}
 }
 
-// Without Redis the unique column alone keeps a retried POST from creating a second order.
+// Without Redis the unique column alone keeps a retried POST from creating a
+// second order, and the same key with another body is a 422 (issue 31: two
+// concurrent POSTs answered 201 and 500).
 func TestOrderIdempotencyWithoutRedis(t *testing.T) {
 	env := fastEnv(t)
 	s := startInProcess(t, env)
@@ -289,30 +296,70 @@ func TestOrderIdempotencyWithoutRedis(t *testing.T) {
 	if code != 201 || mustJSON(again) != mustJSON(first) {
 		t.Fatalf("retry without Redis: %d %v", code, again)
 	}
+
+	other := `{"customer":"Bob","items":[{"sku":"x","qty":1,"priceCents":1}]}`
+	for i := range 8 {
+		key := map[string]string{"Idempotency-Key": fmt.Sprintf("no-redis-race-%d", i)}
+		var codes [2]int
+		var bodies [2]map[string]any
+		var wg sync.WaitGroup
+		for j, body := range []string{validOrder, other} {
+			wg.Go(func() { codes[j], _, bodies[j] = post(t, api+"/api/orders", body, key) })
+		}
+		wg.Wait()
+		if slices.Sort(codes[:]); codes != [2]int{201, 422} {
+			t.Fatalf("one key, two bodies at once, without Redis: %v %v", codes, bodies)
+		}
+	}
 }
 
-// The marker is released by compare-and-delete of the request's own token: a
-// first request whose marker expired and was taken by a second request must
-// not delete the second one's marker.
-func TestIdempotencyMarkerReleasedOnlyByItsOwner(t *testing.T) {
+// The marker is a lease: renewed while its request runs, released by
+// compare-and-delete of its own value only, so a first request whose lease
+// lapsed and was taken by a second request must not delete the second one's.
+func TestIdempotencyMarkerIsALeaseOfItsHolder(t *testing.T) {
 	rdb := redisClient(t, testRedis(t).URL)
 	ctx := context.Background()
-	marker := idempotencyKeyPrefix + "release-test"
-	if err := rdb.Set(ctx, marker, "token-of-second", 0).Err(); err != nil {
+	marker := idempotencyKeyPrefix + "lease-test"
+	lease, _, err := claimMarker(ctx, rdb, marker, "hash-a", time.Second)
+	if err != nil || lease == nil {
+		t.Fatalf("claiming a free marker: %v %v", lease, err)
+	}
+	if _, holder, err := claimMarker(ctx, rdb, marker, "hash-b", time.Second); err != nil || holder != "hash-a" {
+		t.Fatalf("claiming a held marker: holder %q, %v; want hash-a", holder, err)
+	}
+	// Renewed while held: alive after three lease times.
+	for deadline := time.Now().Add(3 * idempotencyLease); time.Now().Before(deadline); {
+		if n, err := rdb.Exists(ctx, marker).Result(); err != nil || n != 1 {
+			t.Fatalf("the lease lapsed while its holder lives: exists=%d %v", n, err)
+		}
+		time.Sleep(idempotencyRenewEvery / 2)
+	}
+	if err := rdb.Set(ctx, marker, "hash-b token-of-second", 0).Err(); err != nil {
 		t.Fatal(err)
 	}
-	if err := releaseMarker(ctx, rdb, marker, "token-of-first"); err != nil {
+	if err := lease.release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if v, err := rdb.Get(ctx, marker).Result(); err != nil || v != "token-of-second" {
+	if v, err := rdb.Get(ctx, marker).Result(); err != nil || v != "hash-b token-of-second" {
 		t.Fatalf("another request's release removed the marker: %q %v", v, err)
 	}
-	if err := releaseMarker(ctx, rdb, marker, "token-of-second"); err != nil {
+	rdb.Del(ctx, marker)
+	lease, _, _ = claimMarker(ctx, rdb, marker, "hash-a", time.Second)
+	if err := lease.release(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if n, err := rdb.Exists(ctx, marker).Result(); err != nil || n != 0 {
 		t.Fatalf("the owner's release left the marker: exists=%d %v", n, err)
 	}
+}
+
+// fingerprintOf is the fingerprint the handler computes for body.
+func fingerprintOf(t *testing.T, body string) string {
+	var o newOrder
+	if err := json.Unmarshal([]byte(body), &o); err != nil {
+		t.Fatal(err)
+	}
+	return o.fingerprint()
 }
 
 func mustJSON(v any) string {

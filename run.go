@@ -86,8 +86,8 @@ func runMigrate(ctx context.Context, args []string, getenv func(string) string, 
 		err = mg.down(ctx, n)
 	case len(args) == 2 && args[0] == "force":
 		v, convErr := strconv.Atoi(args[1])
-		if convErr != nil || v < 0 {
-			return fmt.Errorf("migrate force takes a version number, got %q", args[1])
+		if convErr != nil || v < -1 {
+			return fmt.Errorf("migrate force takes a version number (-1: nothing applied), got %q", args[1])
 		}
 		err = mg.force(v)
 	case len(args) == 1 && args[0] == "status":

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"net/http"
 
 	"github.com/minio/minio-go/v7"
 	"github.com/minio/minio-go/v7/pkg/credentials"
@@ -17,14 +18,19 @@ func (a *app) fileStorage(ctx context.Context, p *phaseRun) error {
 		a.health.RegisterSkipped("storage", "S3_ENDPOINT is not set")
 		return skipPhase("S3_ENDPOINT is not set")
 	}
+	// A transport of its own, so the drain can close its idle connections
+	// (minio's default one is shared and never closed).
+	transport := http.DefaultTransport.(*http.Transport).Clone()
 	client, err := minio.New(s.Endpoint, &minio.Options{
-		Creds:  credentials.NewStaticV4(s.AccessKey, s.SecretKey, ""),
-		Secure: s.UseSSL,
+		Creds:     credentials.NewStaticV4(s.AccessKey, s.SecretKey, ""),
+		Secure:    s.UseSSL,
+		Transport: transport,
 	})
 	if err != nil {
 		return fmt.Errorf("creating the S3 client for %s: %w", s.Endpoint, err)
 	}
 	a.storage = client
+	a.lc.RegisterShutdownHook("storage", func(context.Context) error { transport.CloseIdleConnections(); return nil })
 	a.health.RegisterReadinessCheck("storage", false, func(ctx context.Context) checkResult {
 		return timedCheck(ctx, func(ctx context.Context) error { return bucketExists(ctx, client, s.Bucket) })
 	})

@@ -329,3 +329,24 @@ func (d *meiliDouble) count(call string) int {
 	}
 	return n
 }
+
+// waitDegraded waits until ops's readiness lists check as degraded, and
+// fails if it ever answers other than 200 meanwhile: a shared dependency's
+// trouble never takes the instance out of the load balancer. It returns how
+// long it took.
+func waitDegraded(t *testing.T, ops, check string, within time.Duration) time.Duration {
+	t.Helper()
+	start := time.Now()
+	client := &http.Client{Timeout: 5 * time.Second}
+	var last string
+	waitFor(t, within, "readiness to list "+check+" as degraded", func() bool {
+		code, _, body, err := get(t, client, ops+"/health/ready")
+		last = fmt.Sprintf("%d %v %v", code, body, err)
+		if err == nil && code != http.StatusOK {
+			t.Fatalf("readiness answered %s while %s was in trouble", last, check)
+		}
+		degraded, _ := body["degraded"].([]any)
+		return slices.Contains(degraded, any(check))
+	})
+	return time.Since(start)
+}
