@@ -116,16 +116,11 @@ func TestSigtermWhileWaitingForTheMigrationLockExitsPromptly(t *testing.T) {
 
 	p := startProc(t, env)
 	// The event: the service's session waits for that lock.
-	for start := time.Now(); ; time.Sleep(20 * time.Millisecond) {
+	waitFor(t, 20*time.Second, "the service to wait for the migration lock", func() bool {
 		var waiting bool
 		holder.QueryRow(context.Background(), `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted)`).Scan(&waiting)
-		if waiting {
-			break
-		}
-		if time.Since(start) > 20*time.Second {
-			t.Fatal("the service never waited for the migration lock")
-		}
-	}
+		return waiting
+	})
 	sent := time.Now()
 	p.signal(syscall.SIGTERM)
 	code := p.wait(10 * time.Second)
