@@ -196,6 +196,7 @@ func BenchmarkOutboxLatency(b *testing.B) {
 			s := startInProcess(b, env)
 
 			received := sync.Map{} // event id → time seen by the SSE client
+			// The stream is registered with the hub once its headers are here.
 			req, _ := http.NewRequest(http.MethodGet, apiURL(s)+"/api/events", nil)
 			resp, err := http.DefaultClient.Do(req)
 			if err != nil {
@@ -211,7 +212,6 @@ func BenchmarkOutboxLatency(b *testing.B) {
 					}
 				}
 			}()
-			time.Sleep(100 * time.Millisecond)
 
 			// 500 events/s, one per transaction, like 500 orders/s.
 			committed := map[int64]time.Time{}
@@ -232,7 +232,15 @@ func BenchmarkOutboxLatency(b *testing.B) {
 			}
 			tick.Stop()
 			b.StopTimer()
-			time.Sleep(500 * time.Millisecond) // let the last ones arrive
+			// Let the last ones arrive; the check below counts any that did not.
+			poll(5*time.Second, 10*time.Millisecond, func() bool {
+				for id := range committed {
+					if _, ok := received.Load(id); !ok {
+						return false
+					}
+				}
+				return true
+			})
 
 			var lat []time.Duration
 			for id, at := range committed {

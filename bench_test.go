@@ -55,15 +55,19 @@ func benchCmd(env map[string]string) *exec.Cmd {
 // waitReady200 polls readiness every millisecond until it answers 200.
 func waitReady200(b *testing.B, ops string) {
 	client := &http.Client{Timeout: time.Second}
-	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-		if resp, err := client.Get(ops + "/health/ready"); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == 200 {
-				return
-			}
+	var last string
+	if !poll(20*time.Second, time.Millisecond, func() bool {
+		resp, err := client.Get(ops + "/health/ready")
+		if err != nil {
+			last = err.Error()
+			return false
 		}
+		resp.Body.Close()
+		last = resp.Status
+		return resp.StatusCode == 200
+	}) {
+		b.Fatalf("not ready within 20s; last answer: %s", last)
 	}
-	b.Fatal("not ready within 20s")
 }
 
 func reportMedian(b *testing.B, name string, samples []time.Duration) {

@@ -75,22 +75,20 @@ func waitReadiness(t *testing.T, ops string, want int, within time.Duration) tim
 	start := time.Now()
 	client := &http.Client{Timeout: 2 * time.Second}
 	var last string
-	for time.Since(start) < within {
+	if !poll(within, 20*time.Millisecond, func() bool {
 		resp, err := client.Get(ops + "/health/ready")
-		if err == nil {
-			raw, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode == want {
-				return time.Since(start)
-			}
-			last = fmt.Sprintf("%d %s", resp.StatusCode, raw)
-		} else {
+		if err != nil {
 			last = err.Error()
+			return false
 		}
-		time.Sleep(20 * time.Millisecond) // a poll interval, not a wait for an event
+		raw, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		last = fmt.Sprintf("%d %s", resp.StatusCode, raw)
+		return resp.StatusCode == want
+	}) {
+		t.Fatalf("readiness did not answer %d within %s; last answer: %s", want, within, last)
 	}
-	t.Fatalf("readiness did not answer %d within %s; last answer: %s", want, within, last)
-	return 0
+	return time.Since(start)
 }
 
 // SIGTERM while the boot waits for the migration lock another process holds:
@@ -118,16 +116,11 @@ func TestSigtermWhileWaitingForTheMigrationLockExitsPromptly(t *testing.T) {
 
 	p := startProc(t, env)
 	// The event: the service's session waits for that lock.
-	for start := time.Now(); ; time.Sleep(20 * time.Millisecond) {
+	waitFor(t, 20*time.Second, "the service to wait for the migration lock", func() bool {
 		var waiting bool
 		holder.QueryRow(context.Background(), `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted)`).Scan(&waiting)
-		if waiting {
-			break
-		}
-		if time.Since(start) > 20*time.Second {
-			t.Fatal("the service never waited for the migration lock")
-		}
-	}
+		return waiting
+	})
 	sent := time.Now()
 	p.signal(syscall.SIGTERM)
 	code := p.wait(10 * time.Second)

@@ -8,7 +8,9 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"net/http"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -67,13 +69,13 @@ func TestFixedLingerLastsWithoutTraffic(t *testing.T) {
 func TestLingerLastsWhileRequestsComeAndEndsWhenTheyStop(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
-		name        string
-		sendFor     time.Duration // after the drain began; 0: until the listener closes
-		linger      string
-		wantEndedBy string
+		name         string
+		sendAnswered int64 // requests answered after the drain began; 0: until the listener closes
+		linger       string
+		wantEndedBy  string
 	}{
 		{"traffic until the end", 0, "1s", "max"},
-		{"traffic that stops", 500 * time.Millisecond, "10s", "quiet"},
+		{"traffic that stops", 50, "10s", "quiet"}, // at the client's pace, 500 ms of traffic or more
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -85,29 +87,38 @@ func TestLingerLastsWhileRequestsComeAndEndsWhenTheyStop(t *testing.T) {
 			client := &http.Client{Timeout: 5 * time.Second}
 			ctx, stop := context.WithCancel(context.Background())
 			defer stop()
-			done := make(chan int)
+			var answered atomic.Int64
+			done := make(chan struct{})
 			go func() { // a request every 10 ms until stopped or refused
-				n := 0
-				defer func() { done <- n }()
-				for ctx.Err() == nil {
+				defer close(done)
+				pace(ctx, 10*time.Millisecond, func() bool {
 					resp, err := client.Get(api + "/api/slow?ms=0")
 					if err != nil {
-						return
+						return false
 					}
 					resp.Body.Close()
-					n++
-					time.Sleep(10 * time.Millisecond) // the client's pace
-				}
+					answered.Add(1)
+					return true
+				})
 			}()
 			p.signal(syscall.SIGTERM)
-			if tc.sendFor > 0 {
+			if tc.sendAnswered > 0 {
 				p.waitLog(10*time.Second, map[string]any{"event": "state_changed", "to": "draining"})
-				time.Sleep(tc.sendFor) // the client's own schedule: it sends this long into the drain
+				from := answered.Load()
+				waitFor(t, 20*time.Second, fmt.Sprintf("%d requests answered in the drain", tc.sendAnswered), func() bool {
+					select {
+					case <-done: // refused: the checks below say why
+						return true
+					default:
+						return answered.Load()-from >= tc.sendAnswered
+					}
+				})
 				stop()
 			}
 			line := lingerEnded(t, p)
 			stop()
-			n := <-done
+			<-done
+			n := answered.Load()
 			t.Logf("%s: %d requests; linger %v ms, ended by %v", tc.name, n, line["duration_ms"], line["ended"])
 			if line["ended"] != tc.wantEndedBy {
 				t.Errorf("linger ended by %v, want %s", line["ended"], tc.wantEndedBy)
@@ -135,9 +146,10 @@ func TestDrainRejectModes(t *testing.T) {
 			go func() {
 				slow <- do(&http.Client{Timeout: 10 * time.Second}, must(http.NewRequest(http.MethodGet, api+"/api/slow?ms=1500", nil)))
 			}()
-			for n, _ := scrapeMetric(ops, "kumiko_http_requests_in_flight"); n < 1; n, _ = scrapeMetric(ops, "kumiko_http_requests_in_flight") {
-				time.Sleep(10 * time.Millisecond) // a poll: until the slow request is being served
-			}
+			waitFor(t, 5*time.Second, "the slow request to be served", func() bool {
+				n, _ := scrapeMetric(ops, "kumiko_http_requests_in_flight")
+				return n >= 1
+			})
 			p.signal(syscall.SIGTERM)
 			p.waitLog(5*time.Second, map[string]any{"msg": "lifecycle", "step": "closeListener"})
 			fresh := do(&http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}},

@@ -76,17 +76,12 @@ func TestProcessReadinessDetailsOnlyOnOpsPort(t *testing.T) {
 		return resp.StatusCode, string(raw)
 	}
 	var opsBody string
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		var code int
+	var code int
+	if !poll(15*time.Second, 50*time.Millisecond, func() bool { // a probe whose cache TTL is 100ms
 		code, opsBody = readBody(ops)
-		if code == 503 && strings.Contains(opsBody, dbName) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the ops port never reported the database down: %d %s", code, opsBody)
-		}
-		time.Sleep(50 * time.Millisecond) // polling a probe whose cache TTL is 100ms
+		return code == 503 && strings.Contains(opsBody, dbName)
+	}) {
+		t.Fatalf("the ops port never reported the database down: %d %s", code, opsBody)
 	}
 	code, apiBody := readBody(api)
 	var rep struct {

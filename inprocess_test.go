@@ -92,10 +92,7 @@ func startInProcess(t testing.TB, env map[string]string) *inProcess {
 			t.Error("in-process service did not stop")
 		}
 	})
-	deadline := time.Now().Add(20 * time.Second)
-	for a.lc.State() == StateStarting && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
+	poll(20*time.Second, 5*time.Millisecond, func() bool { return a.lc.State() != StateStarting })
 	if a.lc.State() != StateReady {
 		t.Fatalf("service state %s, logs:\n%s", a.lc.State(), logs.String())
 	}
@@ -120,8 +117,8 @@ func checkNoGoroutineLeft(t testing.TB, label pprof.LabelSet) {
 		return false
 	})
 	var left []string
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	// Polling the runtime: no event says a goroutine returned.
+	if !poll(5*time.Second, 20*time.Millisecond, func() bool {
 		left = left[:0]
 		var buf bytes.Buffer
 		pprof.Lookup("goroutine").WriteTo(&buf, 1)
@@ -132,12 +129,8 @@ func checkNoGoroutineLeft(t testing.TB, label pprof.LabelSet) {
 				left = append(left, group)
 			}
 		}
-		if len(left) == 0 || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(20 * time.Millisecond) // polling the runtime: no event says a goroutine returned
-	}
-	if len(left) > 0 {
+		return len(left) == 0
+	}) {
 		t.Errorf("goroutines of the service left after its drain:\n%s", strings.Join(left, "\n\n"))
 	}
 }

@@ -163,7 +163,9 @@ func TestProcessSplitBrainIsFenced(t *testing.T) {
 
 	a.signal(syscall.SIGSTOP)
 	b.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "became leader"})
-	time.Sleep(1500 * time.Millisecond) // b schedules a tick or two while a sleeps through them
+	// b enqueues two ticks while a sleeps through them (a is stopped: every new tick is b's).
+	before := len(ticks(t, pool))
+	waitFor(t, 10*time.Second, "two ticks from b while a is stopped", func() bool { return len(ticks(t, pool)) >= before+2 })
 	a.signal(syscall.SIGCONT)
 
 	stale := a.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "stopped leading"})
@@ -171,7 +173,9 @@ func TestProcessSplitBrainIsFenced(t *testing.T) {
 	if r := stale["reason"]; r != "renew deadline passed" && r != "lock lost" && r != "fenced" {
 		t.Errorf("the stale leader stopped for %v", r)
 	}
-	time.Sleep(2 * time.Second) // a would be scheduling now, if it still believed it led
+	// Two more ticks from b: the moments a would schedule at, if it still believed it led.
+	woke := len(ticks(t, pool))
+	waitFor(t, 10*time.Second, "two more ticks after a woke", func() bool { return len(ticks(t, pool)) >= woke+2 })
 	if isLeader(t, b.addr("ops")) != true || isLeader(t, a.addr("ops")) {
 		t.Fatal("after the split brain, b must lead and a must not")
 	}

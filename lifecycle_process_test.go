@@ -383,27 +383,11 @@ func TestProcessOpsListenerServesThroughTheDrain(t *testing.T) {
 
 	client := &http.Client{Timeout: time.Second}
 	var alive, notReady int
-	for {
+	// Probe both every 20 ms until the process has exited.
+	waitFor(t, 30*time.Second, "the process to exit", func() bool {
 		select {
 		case <-p.exited:
-			if alive < 5 || notReady < 5 {
-				t.Fatalf("probed %d /health and %d /health/ready during the drain; want several of each", alive, notReady)
-			}
-			if p.code != 0 {
-				t.Fatalf("exit code %d", p.code)
-			}
-			// The last step closes the ops listener: it must come after every other step.
-			steps := p.logsMatching(map[string]any{"msg": "lifecycle", "component": "lifecycle"})
-			var last string
-			for _, s := range steps {
-				if name, ok := s["step"].(string); ok {
-					last = name
-				}
-			}
-			if last != "opsListener" {
-				t.Errorf("last shutdown step %q, want opsListener", last)
-			}
-			return
+			return true
 		default:
 		}
 		code, _, _, err := get(t, client, ops+"/health")
@@ -413,7 +397,7 @@ func TestProcessOpsListenerServesThroughTheDrain(t *testing.T) {
 				t.Fatalf("/health failed before the process stopped: %v", err)
 			}
 			<-p.exited
-			continue
+			return true
 		}
 		if code != 200 {
 			t.Fatalf("/health = %d during the drain", code)
@@ -425,7 +409,24 @@ func TestProcessOpsListenerServesThroughTheDrain(t *testing.T) {
 			}
 			notReady++
 		}
-		time.Sleep(20 * time.Millisecond)
+		return false
+	})
+	if alive < 5 || notReady < 5 {
+		t.Fatalf("probed %d /health and %d /health/ready during the drain; want several of each", alive, notReady)
+	}
+	if p.code != 0 {
+		t.Fatalf("exit code %d", p.code)
+	}
+	// The last step closes the ops listener: it must come after every other step.
+	steps := p.logsMatching(map[string]any{"msg": "lifecycle", "component": "lifecycle"})
+	var last string
+	for _, s := range steps {
+		if name, ok := s["step"].(string); ok {
+			last = name
+		}
+	}
+	if last != "opsListener" {
+		t.Errorf("last shutdown step %q, want opsListener", last)
 	}
 }
 
@@ -450,10 +451,12 @@ func TestProcessSIGTERMDuringBoot(t *testing.T) {
 // waitInFlight waits until the API has a request in flight (read from /metrics).
 func waitInFlight(t *testing.T, ops string) {
 	t.Helper()
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		if n, err := scrapeMetric(ops, "kumiko_http_requests_in_flight"); err == nil && n == 1 {
-			return
-		}
+	var n float64
+	var err error
+	if !poll(5*time.Second, 10*time.Millisecond, func() bool {
+		n, err = scrapeMetric(ops, "kumiko_http_requests_in_flight")
+		return err == nil && n == 1
+	}) {
+		t.Fatalf("no request in flight after 5s: kumiko_http_requests_in_flight = %v (%v), want 1", n, err)
 	}
-	t.Fatal("no request in flight after 5s")
 }

@@ -56,7 +56,7 @@ func TestMigrationsAreAllOrNothing(t *testing.T) {
 					v, _ := schemaVersion(t, direct)
 					return v >= k
 				})
-				time.Sleep(time.Duration(rand.N(40)) * time.Millisecond)
+				<-time.After(time.Duration(rand.N(40)) * time.Millisecond) // real time: the random point within the next migration
 				p.signal(sig)
 				code := p.wait(20 * time.Second)
 

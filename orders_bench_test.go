@@ -234,13 +234,13 @@ func frozenDependency(b *testing.B, env map[string]string, freeze, thaw func()) 
 	flipped := make(chan struct{})
 	go func() {
 		defer close(flipped)
-		for time.Since(frozen) < 20*time.Second {
+		poll(20*time.Second-time.Since(frozen), 10*time.Millisecond, func() bool {
 			if a := do(client, must(http.NewRequest(http.MethodGet, ops+"/health/ready", nil))); a.status == http.StatusServiceUnavailable {
 				flip = time.Since(frozen)
-				return
+				return true
 			}
-			time.Sleep(10 * time.Millisecond)
-		}
+			return false
+		})
 	}()
 	for _, key := range []bool{false, true} {
 		answers := concurrently(10, func(i int) answer {

@@ -136,8 +136,13 @@ func TestProcessPartitionedDeliveryUnderKills(t *testing.T) {
 	written := make(chan error, 1)
 	go func() {
 		for r := range rounds {
-			for n, _ := countNumbered(pool); n < (r-5)*aggregates; n, _ = countNumbered(pool) {
-				time.Sleep(5 * time.Millisecond)
+			var n int
+			if !poll(60*time.Second, 5*time.Millisecond, func() bool {
+				n, _ = countNumbered(pool)
+				return n >= (r-5)*aggregates
+			}) {
+				written <- fmt.Errorf("round %d: %d events numbered after 60s, want %d", r, n, (r-5)*aggregates)
+				return
 			}
 			if _, err := writeOrderEvents(pool, aggregates, 1); err != nil {
 				written <- err
@@ -169,14 +174,14 @@ func TestProcessPartitionedDeliveryUnderKills(t *testing.T) {
 	if err := <-written; err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(60 * time.Second)
-	for n, _ := countNumbered(pool); n < total; n, _ = countNumbered(pool) {
-		if time.Now().After(deadline) {
-			var pending, unnumbered int
-			pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE delivered_at IS NULL), count(*) FILTER (WHERE delivered_at IS NOT NULL AND delivery_seq IS NULL) FROM outbox_events`).Scan(&pending, &unnumbered)
-			t.Fatalf("%d of %d events numbered after 60s (%d pending, %d delivered unnumbered); %v", n, total, pending, unnumbered, seen)
-		}
-		time.Sleep(10 * time.Millisecond)
+	var n int
+	if !poll(60*time.Second, 10*time.Millisecond, func() bool {
+		n, _ = countNumbered(pool)
+		return n >= total
+	}) {
+		var pending, unnumbered int
+		pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE delivered_at IS NULL), count(*) FILTER (WHERE delivered_at IS NOT NULL AND delivery_seq IS NULL) FROM outbox_events`).Scan(&pending, &unnumbered)
+		t.Fatalf("%d of %d events numbered after 60s (%d pending, %d delivered unnumbered); %v", n, total, pending, unnumbered, seen)
 	}
 	t.Logf("%v", seen)
 	assertAggregateOrderAndOnce(t, pool)

@@ -61,8 +61,9 @@ func TestProcessTwoInstancesFanOut(t *testing.T) {
 	a, b, env := twoInstances(t, nil)
 	_, apiA := a.waitReady()
 	_, apiB := b.waitReady()
+	// Both streams are registered with their hub: openSSE returns with the
+	// response's headers, which the handler writes once its hub has it.
 	clientA, clientB := openSSE(t, apiA, 0), openSSE(t, apiB, 0)
-	time.Sleep(50 * time.Millisecond) // both streams registered with their hub
 
 	// Order i costs i+1 cents: the public event carries no order id, and the
 	// total tells each order's event apart.
@@ -297,13 +298,16 @@ func TestProcessSSEFromPostgresWhileRedisIsDown(t *testing.T) {
 
 	redisServer.Stop()
 	posted := 0
-	for start := time.Now(); time.Since(start) < redisOutage(t); posted++ {
+	outage, endOutage := context.WithTimeout(context.Background(), redisOutage(t))
+	defer endOutage()
+	pace(outage, 100*time.Millisecond, func() bool {
 		api := []string{apiA, apiB}[posted%2]
 		if code, _, body := post(t, api+"/api/orders", validOrder, nil); code != 201 {
 			t.Fatalf("POST to %s with Redis down: %d %v", api, code, body)
 		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		posted++
+		return true
+	})
 	var want []int64
 	waitFor(t, 5*time.Second, "every order to be delivered", func() bool {
 		want = deliveryOrder(t, pool)
@@ -327,19 +331,15 @@ func TestProcessSSEHandoverDuringDrain(t *testing.T) {
 	a, b, env := twoInstances(t, func(env map[string]string) { env["KUMIKO_LINGER"] = "300ms" })
 	_, apiA := a.waitReady()
 	_, apiB := b.waitReady()
-	first := openSSE(t, apiA, 0)
-	time.Sleep(50 * time.Millisecond)
+	first := openSSE(t, apiA, 0) // registered with A's hub once it returns
 
 	// Keep posting, to A while it accepts, else to B, like a load balancer.
-	stop := make(chan struct{})
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
 	var posted sync.WaitGroup
 	posted.Go(func() {
-		for i := 0; ; i++ {
-			select {
-			case <-stop:
-				return
-			default:
-			}
+		i := 0
+		pace(ctx, 5*time.Millisecond, func() bool {
 			target := apiB
 			if i%2 == 0 {
 				target = apiA
@@ -347,11 +347,15 @@ func TestProcessSSEHandoverDuringDrain(t *testing.T) {
 			if code, _ := postQuiet(target+"/api/orders", validOrder); code != 201 && target == apiA {
 				postQuiet(apiB+"/api/orders", validOrder)
 			}
-			time.Sleep(5 * time.Millisecond)
-		}
+			i++
+			return true
+		})
 	})
 
-	time.Sleep(200 * time.Millisecond)
+	// Orders flow to the stream on A before the drain begins.
+	first.waitFor(10*time.Second, "five orders on A before the drain", func(frames []sseFrame) bool {
+		return len(orderCreatedIDs(frames)) >= 5
+	})
 	a.signal(syscall.SIGTERM)
 	first.waitFor(5*time.Second, "event: shutdown", func(frames []sseFrame) bool {
 		return len(frames) > 0 && frames[len(frames)-1].Event == "shutdown"
@@ -360,15 +364,26 @@ func TestProcessSSEHandoverDuringDrain(t *testing.T) {
 	if shutdown.Retry <= 0 {
 		t.Errorf("the shutdown frame carries no retry hint: %+v", shutdown)
 	}
+	pool := sharedPool(t, env)
 	second := openSSE(t, apiB, first.lastID())
-	time.Sleep(300 * time.Millisecond) // orders keep coming during and after the drain
-	close(stop)
+	// Orders keep coming during and after the drain: five delivered after the
+	// resumed stream opened reach it.
+	before := deliveryOrder(t, pool)
+	second.waitFor(10*time.Second, "five orders delivered after the resume, on the resumed stream", func(frames []sseFrame) bool {
+		n := 0
+		for _, id := range orderCreatedIDs(frames) {
+			if !slices.Contains(before, id) {
+				n++
+			}
+		}
+		return n >= 5
+	})
+	stop()
 	posted.Wait()
 	if code := a.wait(10 * time.Second); code != 0 {
 		t.Fatalf("A exited %d", code)
 	}
 
-	pool := sharedPool(t, env)
 	var want []int64
 	waitFor(t, 5*time.Second, "every event on the second stream", func() bool {
 		want = deliveryOrder(t, pool)

@@ -96,14 +96,12 @@ func TestPostgresRestartDuringLoadAnswersNo500AndLosesNothing(t *testing.T) {
 		})
 	}
 	count := func() int { mu.Lock(); defer mu.Unlock(); return len(all) }
-	for start := count(); count() < start+100; {
-		time.Sleep(10 * time.Millisecond) // until the load has run a while
-	}
+	start := count()
+	waitFor(t, 30*time.Second, "100 answers before the restart", func() bool { return count() >= start+100 })
 	pg.Restart()
 	waitReadiness(t, ops, http.StatusOK, 10*time.Second)
-	for start := count(); count() < start+100; {
-		time.Sleep(10 * time.Millisecond) // and a while after
-	}
+	start = count()
+	waitFor(t, 30*time.Second, "100 answers after it", func() bool { return count() >= start+100 })
 	stop()
 	wg.Wait()
 
@@ -615,7 +613,13 @@ func TestOrderTraceReachesTheJob(t *testing.T) {
 		t.Fatalf("POST %d %v", code, body)
 	}
 	waitFor(t, 10*time.Second, "the index job to run", func() bool { return meili.called("POST /indexes/orders/documents") })
-	time.Sleep(200 * time.Millisecond)
+	// Its span ends when the job does: wait for River to record that.
+	pool := sharedPool(t, env)
+	waitFor(t, 10*time.Second, "the index job to complete", func() bool {
+		var done bool
+		pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT 1 FROM river_job WHERE kind = 'indexOrder' AND state = 'completed')`).Scan(&done)
+		return done
+	})
 	p.signal(syscall.SIGTERM) // flushes the spans
 	p.wait(10 * time.Second)
 
@@ -689,10 +693,11 @@ func TestStuckSearchesNeitherStarveTheProbeNorHang(t *testing.T) {
 		})
 	}
 	var probes []answer
-	for range 20 {
+	// A probe period of 100 ms, the way a balancer asks.
+	pace(context.Background(), 100*time.Millisecond, func() bool {
 		probes = append(probes, do(client, must(http.NewRequest(http.MethodGet, ops+"/health/ready", nil))))
-		time.Sleep(100 * time.Millisecond) // a probe period, the way a balancer asks
-	}
+		return len(probes) < 20
+	})
 	stop()
 	wg.Wait()
 	for _, a := range probes {

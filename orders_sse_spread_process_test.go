@@ -7,6 +7,7 @@ package main
 // repeat nothing.
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"sort"
@@ -53,20 +54,15 @@ func handOver(t *testing.T, n int, tweak func(env map[string]string)) drainHando
 	}
 	waitStreams(t, opsA, n)
 
-	stop := make(chan struct{})
+	ctx, stop := context.WithCancel(context.Background())
 	var posting sync.WaitGroup
-	stopPosting := sync.OnceFunc(func() { close(stop); posting.Wait() })
+	stopPosting := sync.OnceFunc(func() { stop(); posting.Wait() })
 	defer stopPosting()
 	posting.Go(func() {
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
+		pace(ctx, 10*time.Millisecond, func() bool {
 			postQuiet(apiB+"/api/orders", validOrder) // the survivor takes the orders all along
-			time.Sleep(10 * time.Millisecond)         // the client's pace
-		}
+			return true
+		})
 	})
 	pool := sharedPool(t, env)
 	waitFor(t, 10*time.Second, "the first orders on a's streams", func() bool {

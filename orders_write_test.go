@@ -18,35 +18,31 @@ var testOrder = newOrder{Customer: "Ada", Items: []orderItem{{SKU: "tea", Qty: 2
 // waitForWaiting waits until w's waiting batches hold n orders.
 func waitForWaiting(t *testing.T, w *orderWriter, n int) {
 	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+	var got int
+	if !poll(10*time.Second, time.Millisecond, func() bool {
 		w.mu.Lock()
-		got := 0
+		defer w.mu.Unlock()
+		got = 0
 		for _, b := range w.waiting {
 			got += len(b.rows)
 		}
-		w.mu.Unlock()
-		if got == n {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d orders waiting, want %d", got, n)
-		}
+		return got == n
+	}) {
+		t.Fatalf("%d orders waiting, want %d", got, n)
 	}
 }
 
 // waitForRunning waits until w's one statement slot is taken.
 func waitForRunning(t *testing.T, w *orderWriter) {
 	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+	var running int
+	if !poll(10*time.Second, time.Millisecond, func() bool {
 		w.mu.Lock()
-		running := w.inFlight
-		w.mu.Unlock()
-		if running == 1 {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the first order did not start its statement")
-		}
+		defer w.mu.Unlock()
+		running = w.inFlight
+		return running == 1
+	}) {
+		t.Fatalf("the first order did not start its statement: %d statements running, want 1", running)
 	}
 }
 
@@ -325,8 +321,10 @@ func TestOrderWriterStartsNoStatementWithoutTimeToAnswer(t *testing.T) {
 	waitForWaiting(t, w, 1)
 	wg.Go(func() { _, patientErr = w.create(context.Background(), patient, testOrder, "", "") })
 	waitForWaiting(t, w, 2)
-	for time.Until(deadline) >= w.margin { // the batch's turn comes only once the margin is passed
-		time.Sleep(time.Millisecond)
+	// The batch's turn comes only once the margin is passed: a moment on the
+	// wall clock, the one the request's deadline is on.
+	if !poll(10*time.Second, time.Millisecond, func() bool { return time.Until(deadline) < w.margin }) {
+		t.Fatalf("the margin never passed: %s to the deadline, margin %s", time.Until(deadline), w.margin)
 	}
 	release()
 	wg.Wait()
@@ -363,18 +361,15 @@ func TestOrderWriterAnswersACommittedOrderPastItsDeadline(t *testing.T) {
 	// waitForBlockedStatement waits until an order statement waits for a lock.
 	waitForBlockedStatement := func() {
 		t.Helper()
-		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-			var n int
+		var n int
+		if !poll(10*time.Second, time.Millisecond, func() bool {
 			if err := s.app.db.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
 				WHERE wait_event_type = 'Lock' AND query LIKE 'WITH o AS%'`).Scan(&n); err != nil {
 				t.Fatal(err)
 			}
-			if n == 1 {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%d order statements waiting for a lock, want 1", n)
-			}
+			return n == 1
+		}) {
+			t.Fatalf("%d order statements waiting for a lock, want 1", n)
 		}
 	}
 	releaseFirst, releaseBatch := holdKey("held-1"), holdKey("held-2")

@@ -162,23 +162,19 @@ func (f *outboxFixture) subscribe(t *testing.T) func() []outboxEvent {
 func (f *outboxFixture) waitDelivered(t testing.TB, want int, timeout time.Duration) {
 	t.Helper()
 	ctx := context.Background()
-	deadline, lastCount := time.Now().Add(timeout), time.Time{}
+	var lastCount time.Time
 	n := -1
-	for {
+	if !poll(timeout, 10*time.Millisecond, func() bool {
 		var outstanding bool
 		f.db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM outbox_events WHERE delivered_at IS NULL AND dead_at IS NULL)
 			OR EXISTS (SELECT 1 FROM outbox_events WHERE delivery_seq IS NULL AND delivered_at IS NOT NULL)`).Scan(&outstanding)
 		if !outstanding || time.Since(lastCount) > time.Second {
 			f.db.QueryRow(ctx, `SELECT count(*) FROM outbox_events WHERE delivery_seq IS NOT NULL`).Scan(&n)
 			lastCount = time.Now()
-			if n == want {
-				return
-			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d events delivered after %s", n, want, timeout)
-		}
-		time.Sleep(10 * time.Millisecond)
+		return n == want
+	}) {
+		t.Fatalf("%d of %d events delivered after %s", n, want, timeout)
 	}
 }
 
@@ -228,10 +224,27 @@ func TestOutboxDeliversInOrderOnce(t *testing.T) {
 	f.cfg.PollInterval = time.Hour
 	q := f.poller(t, "b")
 	p.Stop(context.Background())
+	listeners := func() (pids []int32) {
+		rows, err := f.db.Query(context.Background(), `SELECT pid FROM pg_stat_activity
+			WHERE datname = current_database() AND state = 'idle' AND query ILIKE 'listen %'`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var pid int32
+			rows.Scan(&pid)
+			pids = append(pids, pid)
+		}
+		return pids
+	}
+	old := listeners() // the stopped poller's, if its session has not ended yet
 	if err := q.Start(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(50 * time.Millisecond) // let the listener connect
+	waitFor(t, 5*time.Second, "the new poller's LISTEN", func() bool {
+		return slices.ContainsFunc(listeners(), func(pid int32) bool { return !slices.Contains(old, pid) })
+	})
 	f.writeEvents(t, 1)
 	f.waitDelivered(t, len(ids)+1, 2*time.Second)
 }

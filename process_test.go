@@ -304,11 +304,38 @@ func sharedPool(t testing.TB, env map[string]string) *pgxpool.Pool {
 	return pool
 }
 
+// waitFor waits until cond holds, polling every 10 ms, and fails the test
+// after timeout. Wait for an event (a log line, a channel, a stream's
+// frame) where the program offers one; poll where it offers none.
 func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()
-	for deadline := time.Now().Add(timeout); !cond(); time.Sleep(10 * time.Millisecond) {
+	if !poll(timeout, 10*time.Millisecond, cond) {
+		t.Fatalf("timed out after %s waiting for %s", timeout, what)
+	}
+}
+
+// poll calls cond every interval until it holds or timeout has passed, and
+// reports whether it held; a caller that fails prints what cond last saw.
+// It is the suite's one polling loop, for states the program announces by
+// no event: a query's result, a metric, a probe's answer, the runtime's
+// goroutines, a child's /proc entry. Unlike waitFor it may run on any
+// goroutine.
+func poll(timeout, interval time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(timeout)
+	for !cond() {
 		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+			return false
 		}
+		time.Sleep(interval) // real time: what cond reads offers no event to wait on
+	}
+	return true
+}
+
+// pace calls send every interval until ctx ends or send returns false: a
+// client with a rate of its own. It is the suite's one paced loop; the load
+// a process test puts on the service is a rate in real time.
+func pace(ctx context.Context, interval time.Duration, send func() bool) {
+	for ctx.Err() == nil && send() {
+		time.Sleep(interval) // real time: the client's pace, not a wait for anything
 	}
 }

@@ -127,19 +127,14 @@ func (c *sseClient) events(eventType string) []sseFrame {
 // waitFor waits until cond holds for the frames received, or fails.
 func (c *sseClient) waitFor(timeout time.Duration, what string, cond func([]sseFrame) bool) {
 	c.t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
+	var n int
+	if !poll(timeout, 5*time.Millisecond, func() bool {
 		c.mu.Lock()
-		ok := cond(c.frames)
-		n := len(c.frames)
-		c.mu.Unlock()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			c.t.Fatalf("event stream: %s not seen within %s (%d frames)", what, timeout, n)
-		}
-		time.Sleep(5 * time.Millisecond)
+		defer c.mu.Unlock()
+		n = len(c.frames)
+		return cond(c.frames)
+	}) {
+		c.t.Fatalf("event stream: %s not seen within %s (%d frames)", what, timeout, n)
 	}
 }
 

@@ -78,13 +78,11 @@ func waitStreams(t testing.TB, ops string, n int) {
 	t.Helper()
 	var last float64
 	var err error
-	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if last, err = scrapeMetric(ops, "kumiko_sse_streams"); err == nil && last == float64(n) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("kumiko_sse_streams = %v (%v) after 15s, want %d", last, err, n)
-		}
+	if !poll(15*time.Second, 10*time.Millisecond, func() bool {
+		last, err = scrapeMetric(ops, "kumiko_sse_streams")
+		return err == nil && last == float64(n)
+	}) {
+		t.Fatalf("kumiko_sse_streams = %v (%v) after 15s, want %d", last, err, n)
 	}
 }
 
@@ -161,10 +159,7 @@ func TestProcessStalledStreamHoldsItsSlotUntilDropped(t *testing.T) {
 	client := &http.Client{Timeout: 5 * time.Second}
 	var refused int
 	admitted := false
-	for deadline := time.Now().Add(20 * time.Second); !admitted; time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("a 4th stream was refused for 20s (%d times): the stalled streams were never dropped", refused)
-		}
+	if !poll(20*time.Second, 50*time.Millisecond, func() bool {
 		ctx, cancel := context.WithCancel(context.Background())
 		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, api+"/api/events", nil)
 		resp, err := client.Do(req)
@@ -187,6 +182,9 @@ func TestProcessStalledStreamHoldsItsSlotUntilDropped(t *testing.T) {
 		}
 		resp.Body.Close()
 		cancel()
+		return admitted
+	}) {
+		t.Fatalf("a 4th stream was refused for 20s (%d times): the stalled streams were never dropped", refused)
 	}
 	if refused == 0 {
 		t.Error("the 4th stream was admitted at once: the stalled streams did not hold their slots")
@@ -332,28 +330,28 @@ func BenchmarkStalledStreams(b *testing.B) {
 // sockets take.
 func settledRSS(b testing.TB, p *proc) int64 {
 	prev, stable := int64(-1), 0
-	for deadline := time.Now().Add(3 * time.Minute); time.Now().Before(deadline); time.Sleep(300 * time.Millisecond) {
+	var rss int64
+	if !poll(3*time.Minute, 300*time.Millisecond, func() bool { // samples 300 ms apart
 		raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.cmd.Process.Pid))
 		if err != nil {
 			b.Fatal(err)
 		}
-		var rss int64
 		for _, line := range strings.Split(string(raw), "\n") {
 			if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
 				rss, _ = strconv.ParseInt(strings.Fields(v)[0], 10, 64)
 			}
 		}
 		if prev >= 0 && rss-prev <= rss/100 && prev-rss <= rss/100 {
-			if stable++; stable == 3 {
-				return rss
-			}
+			stable++
 		} else {
 			stable = 0
 		}
 		prev = rss
+		return stable == 3
+	}) {
+		b.Fatalf("RSS did not settle within 3 minutes (last %d KB)", rss)
 	}
-	b.Fatal("RSS did not settle within 3 minutes")
-	return 0
+	return rss
 }
 
 // The same drain in process, so the race detector sees the hub, the stream
