@@ -272,7 +272,7 @@ func (a *app) ready(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	a.lc.RegisterShutdownHook("readinessChecks", a.health.Stop)
-	if err := a.health.WaitGating(ctx); err != nil {
+	if err := a.health.WaitFirstResults(ctx); err != nil {
 		return err
 	}
 	if failing := a.health.failingGates(a.health.results()); len(failing) > 0 {

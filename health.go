@@ -94,8 +94,9 @@ type readiness struct {
 	// hung past its own deadline; it then counts as failed.
 	staleAfter time.Duration
 
-	mu     sync.Mutex
-	checks []*check
+	mu      sync.Mutex
+	checks  []*check
+	started time.Time // when the loops began: a check with no result is stale from here
 }
 
 func newReadiness(lc *Lifecycle, m *metrics, probeTimeout, interval time.Duration, onPanic func(string, any)) *readiness {
@@ -120,8 +121,11 @@ func (rd *readiness) RegisterSkipped(name, reason string) {
 }
 
 // Start runs every check at once and then every interval, each in its own
-// loop. WaitGating tells when the gating checks have a first result.
+// loop. WaitFirstResults tells when the checks have a first result.
 func (rd *readiness) Start(ctx context.Context) error {
+	rd.mu.Lock()
+	rd.started = time.Now()
+	rd.mu.Unlock()
 	return rd.start(ctx, nil, func(ctx context.Context) {
 		rd.mu.Lock()
 		checks := slices.Clone(rd.checks)
@@ -180,15 +184,26 @@ func (rd *readiness) refresh(ctx context.Context) {
 	wg.Wait()
 }
 
-// WaitGating returns once every gating check has a first result, or when
-// ctx ends. Phase 16 waits for it: the first 200 must be backed by a real
-// probe of what gates, while an optional dependency that hangs holds no boot.
-func (rd *readiness) WaitGating(ctx context.Context) error {
+// WaitFirstResults returns once every check has a first result, or when ctx
+// ends. Phase 16 waits for it: the first 200 must be backed by a real probe
+// of what gates, and its body shows every check. An optional check is waited
+// for one probe timeout at most (its run's own deadline), so an optional
+// dependency that hangs holds no boot.
+func (rd *readiness) WaitFirstResults(ctx context.Context) error {
 	rd.mu.Lock()
 	checks := slices.Clone(rd.checks)
 	rd.mu.Unlock()
+	optional := time.NewTimer(rd.probeTimeout)
+	defer optional.Stop()
+	waitOptional := optional.C
 	for _, c := range checks {
 		if !c.gates {
+			select {
+			case <-c.first:
+			case <-waitOptional:
+				waitOptional = nil // spent: the other optional ones are not waited for
+			case <-ctx.Done():
+			}
 			continue
 		}
 		select {
@@ -197,7 +212,7 @@ func (rd *readiness) WaitGating(ctx context.Context) error {
 			return fmt.Errorf("waiting for the first result of readiness check %s: %w", c.name, context.Cause(ctx))
 		}
 	}
-	return nil
+	return ctx.Err()
 }
 
 // results are the latest results with their age; a stale one is a failure
@@ -208,11 +223,13 @@ func (rd *readiness) results() map[string]checkResult {
 	now := time.Now()
 	out := make(map[string]checkResult, len(rd.checks))
 	for _, c := range rd.checks {
-		if c.at.IsZero() {
-			continue // not run yet: phase 16 waits for the gating ones
+		res, age := c.result, now.Sub(c.at)
+		if c.at.IsZero() { // its first run has not returned yet
+			if rd.started.IsZero() || now.Sub(rd.started) <= rd.staleAfter {
+				continue
+			}
+			age = now.Sub(rd.started)
 		}
-		age := now.Sub(c.at)
-		res := c.result
 		res.Detail = maps.Clone(res.Detail)
 		if res.Detail == nil {
 			res.Detail = map[string]any{}

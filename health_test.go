@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -53,9 +55,7 @@ func TestReadinessAnswersWithoutWaitingForChecks(t *testing.T) {
 	if err := rd.Start(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	if err := rd.WaitGating(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	<-rd.checks[0].first // db's first run; storage hangs for the probe timeout
 	var wg sync.WaitGroup
 	for range 200 {
 		wg.Go(func() {
@@ -136,7 +136,7 @@ func TestReadinessStaleCheckFails(t *testing.T) {
 	if err := rd.Start(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	if err := rd.WaitGating(context.Background()); err != nil {
+	if err := rd.WaitFirstResults(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	if rep, ok := rd.report(); !ok || rep.Checks["db"].Detail["ageMs"] == nil {
@@ -166,18 +166,31 @@ func TestReadinessWhileDrainingIsNotReady(t *testing.T) {
 	}
 }
 
-// Phase 16 waits for the gating checks only: a hung optional check holds no boot.
-func TestWaitGatingIgnoresOptionalChecks(t *testing.T) {
-	rd := testReadiness(t, newTestLifecycle(), newMetrics(), time.Hour, time.Hour)
+// Phase 16 waits for a first result of every check, so its first 200 shows
+// them all; an optional check for one probe timeout at most, so a probe
+// that ignores its deadline holds no boot. Its missing result then shows as
+// failed once it is stale, and only degrades.
+func TestFirstResultsWaitOneProbeTimeoutForOptionalChecks(t *testing.T) {
+	rd := testReadiness(t, readyLifecycle(t), newMetrics(), 20*time.Millisecond, 20*time.Millisecond)
+	release := make(chan struct{})
+	t.Cleanup(func() { close(release) }) // before the Stop that testReadiness registered
 	rd.RegisterReadinessCheck("db", true, func(context.Context) checkResult { return okResult(nil) })
-	rd.RegisterReadinessCheck("search", false, hangs)
+	rd.RegisterReadinessCheck("search", false, func(context.Context) checkResult { <-release; return okResult(nil) })
+	rd.RegisterReadinessCheck("storage", false, hangs)
 	if err := rd.Start(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	if err := rd.WaitGating(context.Background()); err != nil {
+	if err := rd.WaitFirstResults(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	if _, seen := rd.results()["search"]; seen {
-		t.Fatal("the hung search check has a result")
+	if res, seen := rd.results()["storage"]; !seen || res.OK {
+		t.Fatalf("storage hangs until its deadline: want its failed first result, got %+v (seen %v)", res, seen)
+	}
+	waitFor(t, 10*time.Second, "search to show as failed with no result", func() bool {
+		res, seen := rd.results()["search"]
+		return seen && !res.OK && strings.Contains(fmt.Sprint(res.Detail["error"]), "no result")
+	})
+	if rep, ok := rd.report(); !ok || !slices.Contains(rep.Degraded, "search") {
+		t.Fatalf("a hung optional check: ready=%v, degraded %v; want ready with search degraded", ok, rep.Degraded)
 	}
 }

@@ -31,6 +31,6 @@ for target in $(go test -list '^Fuzz' . | grep '^Fuzz'); do
   go test -run '^$' -fuzz "^${target}\$" -fuzztime "${KUMIKO_FUZZTIME:-2000x}" -timeout 30m .
 done
 stage fuzz
-go test -race -count=1 -timeout 15m "$@" ./...
+go test -race -count=1 -timeout 30m "$@" ./...
 stage "go test"
 echo "test.sh stages: ${stages[*]} total=${SECONDS}s"
