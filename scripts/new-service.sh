@@ -102,6 +102,7 @@ perl -0pi -e 's/\n<!-- template:begin -->.*?<!-- template:end -->\n//s' README.m
 # 2b. --bare: the orders demo goes.
 demo_files=(
   orders*.go # the feature, its jobs and search, and the tests that need orders to happen
+  crash_matrix_process_test.go # its load and its exactly-once witness are orders
   migrations/000013_orders_public_id.up.sql migrations/000013_orders_public_id.down.sql
   migrations/000015_order_events_without_order_id.up.sql migrations/000015_order_events_without_order_id.down.sql
   scripts/bench-orders.sh scripts/refhandler scripts/bench-sse.sh scripts/sseload scripts/bench-overload.sh scripts/overload
