@@ -654,18 +654,12 @@ func (m *crashMatrix) serveOrphans(keys []string, killed time.Time) (lines []str
 	return lines, slowest
 }
 
-// until polls cond every 20 ms until it holds or deadline passes; it returns
-// how long that took and an error at the deadline. Unlike waitFor it may run
-// off the test's goroutine.
+// until polls cond (through poll) until it holds or deadline passes; it
+// returns how long that took, and an error at the deadline.
 func until(deadline time.Time, cond func() bool) (time.Duration, error) {
 	start := time.Now()
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for !cond() {
-		if time.Now().After(deadline) {
-			return time.Since(start), fmt.Errorf("deadline passed")
-		}
-		<-tick.C
+	if !poll(time.Until(deadline), 20*time.Millisecond, cond) {
+		return time.Since(start), errors.New("deadline passed")
 	}
 	return time.Since(start), nil
 }
