@@ -79,7 +79,9 @@ type jobsConfig struct {
 	PollInterval time.Duration
 	Timeout      time.Duration
 	RescueAfter  time.Duration
-	ReportCron   string
+	// demo:begin (the orders demo's setting; scripts/new-service.sh --bare removes this block)
+	ReportCron string
+	// demo:end
 }
 
 type sseConfig struct {
@@ -242,7 +244,7 @@ func (c *config) settings() []configSetting {
 		{key: "storage.secretKey", env: "S3_SECRET_KEY", value: secretValue{p: &c.Storage.SecretKey},
 			doc: "S3 secret key, required with an endpoint"},
 		{key: "storage.bucket", env: "S3_BUCKET", def: "kumiko-demo", value: textValue{p: &c.Storage.Bucket},
-			doc: "bucket of the order receipts"},
+			doc: "the bucket the features write their files to, created at boot when missing"},
 		{key: "storage.useSSL", env: "S3_USE_SSL", def: "false", value: boolValue{p: &c.Storage.UseSSL},
 			doc: "talk TLS to the S3 server"},
 		{key: "secrets.masterKey", env: "KUMIKO_MASTER_KEY", value: secretValue{p: &c.MasterKey},
@@ -275,8 +277,10 @@ func (c *config) settings() []configSetting {
 			doc: "a job running longer is cancelled; shorter than rescueAfter", old: "jobs.timeoutSec"},
 		{key: "jobs.rescueAfter", env: "KUMIKO_JOBS_RESCUE_AFTER", def: "1h", value: durationValue{p: &c.Jobs.RescueAfter},
 			doc: "a job still running after this belonged to a crashed worker: run it again", old: "jobs.rescueAfterSec"},
+		// demo:begin (the orders demo's setting; scripts/new-service.sh --bare removes this block)
 		{key: "jobs.reportCron", env: "KUMIKO_REPORT_CRON", def: "*/5 * * * *", value: textValue{p: &c.Jobs.ReportCron},
-			doc: "the periodic report: 5 cron fields, 6 with seconds, or @every 10s"},
+			doc: "the orders demo's periodic report: 5 cron fields, 6 with seconds, or @every 10s"},
+		// demo:end
 
 		{key: "sse.maxStreams", env: "KUMIKO_SSE_MAX_STREAMS", def: "5000", value: uintValue{p: &c.SSE.MaxStreams, min: 1},
 			doc: "open event streams per instance; beyond, 503 (5,000 measured safe on 2 cores: scripts/bench-sse.sh)"},
@@ -610,8 +614,11 @@ type unknownVar struct{ name, closest string }
 // KUMIKO_REQUIRE_SERVICES) still starts the service. TestEnvNamesInTheTree
 // keeps the list complete.
 func toolingEnv() []string {
-	return []string{"KUMIKO_BENCH_BINARY", "KUMIKO_BIN", "KUMIKO_FLEET_FAULT", "KUMIKO_FUZZTIME", "KUMIKO_K8S_CACHE", "KUMIKO_K8S_SMOKE",
-		"KUMIKO_REGENERATE", "KUMIKO_REQUIRE_SERVICES", "KUMIKO_SCREENSHOT", "KUMIKO_TEST_REDIS_OUTAGE"}
+	return []string{"KUMIKO_BIN", "KUMIKO_FUZZTIME", "KUMIKO_K8S_CACHE", "KUMIKO_K8S_SMOKE", "KUMIKO_REGENERATE", "KUMIKO_REQUIRE_SERVICES",
+		// demo:begin (the orders demo's tests read these; scripts/new-service.sh --bare removes this block)
+		"KUMIKO_BENCH_BINARY", "KUMIKO_FLEET_FAULT", "KUMIKO_SCREENSHOT", "KUMIKO_TEST_REDIS_OUTAGE",
+		// demo:end
+	}
 }
 
 // unknownEnvVars is every non-empty variable in environ under envPrefix that
