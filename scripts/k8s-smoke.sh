@@ -734,9 +734,9 @@ handover_from_term=$(ms "$(epoch "$term")" "$(epoch "$became")")
 kubectl rollout status "deployment/$APP" --timeout=180s >/dev/null || fail "the Deployment did not recover"
 # Every 2 s tick since the first pod booted, once: no tick twice (the unique
 # key makes that impossible) and none lost across the rollout and the delete.
-recent_tick() { [ "$(psql "SELECT count(*) FROM river_job WHERE kind = 'report' AND created_at > now() - interval '3 seconds'")" -gt 0 ]; }
+recent_tick() { [ "$(psql "SELECT count(*) FROM river_job WHERE kind = 'purgeOutbox' AND created_at > now() - interval '3 seconds'")" -gt 0 ]; }
 wait_for "a tick after the hand-over" 30 recent_tick
-psql "SELECT args->>'scheduledAt' FROM river_job WHERE kind = 'report' AND NOT coalesce((args->>'manual')::bool, false) ORDER BY 1" >"$WORK/ticks"
+psql "SELECT args->>'scheduledAt' FROM river_job WHERE kind = 'purgeOutbox' AND NOT coalesce((args->>'manual')::bool, false) ORDER BY 1" >"$WORK/ticks"
 ticks=$(wc -l <"$WORK/ticks")
 dups=$(sort "$WORK/ticks" | uniq -d | wc -l)
 gaps=$(while read -r t; do date -d "$t" +%s; done <"$WORK/ticks" | awk 'NR > 1 && $1 - prev != 2 { n++ } { prev = $1 } END { print n + 0 }')

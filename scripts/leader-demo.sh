@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Leader election, live: two instances with short TTLs and a report every
-# second; the leader is killed with SIGKILL and the follower takes over once
-# the lock expires; then the new leader gets SIGTERM and hands over at once.
+# Leader election, live: two instances with short TTLs and the outbox purge
+# cron ticking every second; the leader is killed with SIGKILL and the
+# follower takes over once the lock expires; then the new leader gets SIGTERM
+# and hands over at once. Every tick is enqueued exactly once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 LB_PORT=0 PG_PORT=${PG_PORT:-25435} REDIS_PORT=${REDIS_PORT:-26382} DIR=${DEMO_DIR:-$PWD/.leader-demo}
 export KUMIKO_LEADER_LOCK_TTL=${KUMIKO_LEADER_LOCK_TTL:-3s} KUMIKO_LEADER_RENEW_INTERVAL=${KUMIKO_LEADER_RENEW_INTERVAL:-1s}
-export KUMIKO_REPORT_CRON=${KUMIKO_REPORT_CRON:-@every 1s} KUMIKO_LINGER=0
+export KUMIKO_OUTBOX_PURGE_CRON=${KUMIKO_OUTBOX_PURGE_CRON:-@every 1s} KUMIKO_LINGER=0
 source scripts/lib.sh
 trap cleanup EXIT INT TERM
 
@@ -34,6 +35,6 @@ kill -TERM "$(cat "$DIR/$survivor.pid")"
 start=$(date +%s.%N)
 while [ "$(leader)" = "$second" ] || [ -z "$(leader)" ]; do sleep 0.01; done
 echo ">>> new leader after $(awk "BEGIN{printf \"%.3f\", $(date +%s.%N) - $start}")s: $(leader)"
-echo ">>> report ticks enqueued, each exactly once:"
+echo ">>> purge ticks enqueued, each exactly once:"
 "$(command -v psql || echo "$pgbin/psql")" -h 127.0.0.1 -p "$PG_PORT" -U postgres -Atc \
-  "SELECT count(*) || ' ticks, ' || count(DISTINCT args->>'scheduledAt') || ' distinct' FROM river_job WHERE kind = 'report'" postgres
+  "SELECT count(*) || ' ticks, ' || count(DISTINCT args->>'scheduledAt') || ' distinct' FROM river_job WHERE kind = 'purgeOutbox' AND NOT coalesce((args->>'manual')::bool, false)" postgres
