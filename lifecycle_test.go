@@ -212,15 +212,15 @@ func TestValidateFeaturesListsEveryProblem(t *testing.T) {
 // Every deadline comes from the config through newTimeouts: River's soft
 // stop gets half of what the release hooks are sure to have, a connect
 // attempt never outlasts its window, and a request's dependency calls share
-// one budget of which the idempotency marker gets a quarter.
+// one budget.
 func TestTimeoutsAreDerivedFromTheConfig(t *testing.T) {
 	c := defaultConfig()
 	l := &c.Lifecycle
 	l.ShutdownTimeout, l.Linger, l.DrainTimeout, l.ConnectMaxWait = 40*time.Second, 3*time.Second, 30*time.Second, 2*time.Second
 	c.HTTP.DependencyTimeout, c.DB.StatementTimeout, c.DB.LockTimeout = 400*time.Millisecond, 7*time.Second, 3*time.Second
 	got := newTimeouts(c)
-	if got.request != 400*time.Millisecond || got.marker != 100*time.Millisecond {
-		t.Errorf("request, marker = %s, %s; want 400ms and a quarter of it", got.request, got.marker)
+	if got.request != 400*time.Millisecond {
+		t.Errorf("request = %s, want the configured 400ms", got.request)
 	}
 	if got.dbStatement != 7*time.Second || got.dbLock != 3*time.Second {
 		t.Errorf("dbStatement, dbLock = %s, %s; want the configured 7s and 3s", got.dbStatement, got.dbLock)

@@ -28,6 +28,20 @@ import (
 
 const validOrder = `{"customer":"Ada","items":[{"sku":"tea","qty":2,"priceCents":250},{"sku":"cake","qty":1,"priceCents":400}]}`
 
+// The order path's deadlines are shares of one request's dependency budget:
+// the idempotency marker gives way after a quarter, an order joins a
+// statement only with a fifth left, and a statement once running gets the
+// whole budget again.
+func TestOrderDeadlinesShareTheRequestBudget(t *testing.T) {
+	c := defaultConfig()
+	c.HTTP.DependencyTimeout = 400 * time.Millisecond
+	got := newTimeouts(c)
+	if got.marker != 100*time.Millisecond || got.commitMargin != 80*time.Millisecond || got.orderStatement != 400*time.Millisecond {
+		t.Errorf("marker, commitMargin, orderStatement = %s, %s, %s; want 100ms, 80ms and 400ms of a 400ms budget",
+			got.marker, got.commitMargin, got.orderStatement)
+	}
+}
+
 // post sends a JSON body to the API and decodes the answer.
 func post(t *testing.T, url, body string, header map[string]string) (int, http.Header, map[string]any) {
 	t.Helper()

@@ -11,7 +11,7 @@ import (
 
 // Every Redis key and channel of this service, in one list: all of them sit
 // under redisKeyPrefix, so two services sharing one Redis never share a lock,
-// a heartbeat, an idempotency marker or an event channel.
+// a heartbeat or an event channel.
 const (
 	eventsChannel          = redisKeyPrefix + "events"              // pub/sub: every delivered event, for every instance's stream hub
 	leaderKey              = redisKeyPrefix + "leader"              // value: "<instanceId>:<fencing token>"
@@ -20,14 +20,16 @@ const (
 	heartbeatKeyPrefix     = redisKeyPrefix + "heartbeat:"          // + <worker>:<instanceId>
 	outboxPollersKey       = redisKeyPrefix + "outbox:pollers"      // sorted set: live outbox pollers by entry expiry (unix ms)
 	outboxRebalanceChannel = redisKeyPrefix + "outbox:rebalance"    // pub/sub: a poller joined or left, take your new share
-	idempotencyKeyPrefix   = redisKeyPrefix + "idempotency:"        // + the client's Idempotency-Key
 	statusKeyPrefix        = redisKeyPrefix + "dashboard:instance:" // + <instanceId>: the dashboard's record of one instance
 	statusIndexKey         = redisKeyPrefix + "dashboard:instances" // sorted set: instance id by record expiry (unix ms)
+	// demo:begin (the orders demo's key; scripts/new-service.sh --bare removes this block)
+	idempotencyKeyPrefix = redisKeyPrefix + "idempotency:" // + the client's Idempotency-Key
+	// demo:end
 )
 
 // compareAndDelete deletes KEYS[1] only while it still holds ARGV[1]: the
-// release of something this process holds (the leader lock, an idempotency
-// marker) must never delete what another holder took after it expired.
+// release of something this process holds (the leader lock, a feature's
+// lease) must never delete what another holder took after it expired.
 var compareAndDelete = redis.NewScript(`if redis.call("GET", KEYS[1]) == ARGV[1] then
 	return redis.call("DEL", KEYS[1])
 end

@@ -58,6 +58,7 @@ type timeouts struct {
 	// (KUMIKO_HTTP_DEPENDENCY_TIMEOUT), far below a client's patience: a hung
 	// dependency is a 503 with Retry-After, not a request that waits.
 	request time.Duration
+	// demo:begin (the orders demo's deadlines; scripts/new-service.sh --bare removes this block)
 	// marker: the idempotency marker in Redis only speeds up what
 	// PostgreSQL's unique key decides, so it gives way after this share.
 	marker time.Duration
@@ -71,6 +72,7 @@ type timeouts struct {
 	// happened to its order), so it is their budget again, not less: a
 	// statement cut short leaves its outcome to be looked up.
 	orderStatement time.Duration
+	// demo:end
 	// backgroundCall: one call of a background loop (a heartbeat, a lock
 	// renewal, a fence read): a hung dependency costs the loop this, and a
 	// stop waits at most this for a call in flight.
@@ -138,9 +140,11 @@ func newTimeouts(c config) timeouts {
 		batchFinish:    2 * time.Second,
 		poolClose:      2 * time.Second,
 		request:        c.HTTP.DependencyTimeout,
+		// demo:begin
 		marker:         c.HTTP.DependencyTimeout / 4,
 		commitMargin:   c.HTTP.DependencyTimeout / 5,
 		orderStatement: c.HTTP.DependencyTimeout,
+		// demo:end
 		backgroundCall: time.Second,
 		jobCall:        min(10*time.Second, c.Jobs.Timeout/6),
 		optionalPhase:  min(l.OptionalDependencyTimeout, l.PhaseTimeout),
