@@ -207,13 +207,13 @@ func TestAdmissionShedsWith503AndRetryAfter(t *testing.T) {
 	l := newConcurrencyLimiter(admissionConfig{min: 1, max: 1, tolerance: 1.5}, time.Now())
 	e := newEcho(newLogger(io.Discard, "json"), m, "api")
 	called := 0
-	e.POST("/api/orders", func(c echo.Context) error { called++; return c.NoContent(http.StatusCreated) }, admitWithinLimit(l, m))
+	e.POST("/api/notes", func(c echo.Context) error { called++; return c.NoContent(http.StatusCreated) }, admitWithinLimit(l, m))
 
 	if !l.acquire() { // the one slot, taken by a request in flight
 		t.Fatal("the first request was shed")
 	}
 	rec := httptest.NewRecorder()
-	e.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/api/orders", strings.NewReader(`{}`)))
+	e.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/api/notes", strings.NewReader(`{}`)))
 	var body struct{ Error errorBody }
 	if err := json.Unmarshal(rec.Body.Bytes(), &body); err != nil || rec.Code != http.StatusServiceUnavailable ||
 		rec.Header().Get("Retry-After") != "1" || body.Error.Code != "overloaded" || called != 0 {
@@ -226,7 +226,7 @@ func TestAdmissionShedsWith503AndRetryAfter(t *testing.T) {
 
 	l.release(time.Millisecond, time.Now())
 	rec = httptest.NewRecorder()
-	e.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/api/orders", strings.NewReader(`{}`)))
+	e.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/api/notes", strings.NewReader(`{}`)))
 	if rec.Code != http.StatusCreated || called != 1 {
 		t.Fatalf("within the limit: %d, handler called %d times; want 201, once", rec.Code, called)
 	}

@@ -213,7 +213,7 @@ func BenchmarkOutboxLatency(b *testing.B) {
 				}
 			}()
 
-			// 500 events/s, one per transaction, like 500 orders/s.
+			// 500 events/s, one per transaction, like 500 writes/s.
 			committed := map[int64]time.Time{}
 			tick := time.NewTicker(2 * time.Millisecond)
 			b.ResetTimer()

@@ -221,10 +221,10 @@ func TestHangingHookPastShutdownBudgetFails(t *testing.T) {
 }
 
 // meiliDouble is a test double of the Meilisearch endpoints this project
-// calls: GET /health, POST /indexes, PUT .../settings/searchable-attributes,
-// POST /indexes/orders/documents and POST /indexes/orders/search (answering
-// with the ids set in hits). No
-// Meilisearch server can be installed here; docker-compose runs the real one.
+// calls: GET /health, POST /indexes, PUT /indexes/{uid}/settings/searchable-attributes,
+// POST /indexes/{uid}/documents and POST /indexes/{uid}/search (answering
+// with the ids set in hits), for any index. No Meilisearch server can be
+// installed here; docker-compose runs the real one.
 type meiliDouble struct {
 	srv *httptest.Server
 
@@ -241,16 +241,20 @@ func newMeiliDouble(t testing.TB, status string) *meiliDouble {
 		hits := d.hits
 		d.mu.Unlock()
 		w.Header().Set("Content-Type", "application/json")
-		task := `{"taskUid":1,"indexUid":"orders","status":"enqueued","type":"indexCreation","enqueuedAt":"2026-01-01T00:00:00Z"}`
+		// "/indexes/{uid}/rest" → uid, "/rest"
+		uid, rest, _ := strings.Cut(strings.TrimPrefix(r.URL.Path, "/indexes/"), "/")
+		rest = "/" + rest
+		task := `{"taskUid":1,"indexUid":"` + uid + `","status":"enqueued","type":"indexCreation","enqueuedAt":"2026-01-01T00:00:00Z"}`
+		index := strings.HasPrefix(r.URL.Path, "/indexes/") && uid != ""
 		switch {
 		case r.Method == http.MethodGet && r.URL.Path == "/health":
 			w.Write([]byte(`{"status":"` + status + `"}`))
 		case r.Method == http.MethodPost && r.URL.Path == "/indexes",
-			r.Method == http.MethodPut && r.URL.Path == "/indexes/orders/settings/searchable-attributes",
-			r.Method == http.MethodPost && r.URL.Path == "/indexes/orders/documents":
+			index && r.Method == http.MethodPut && rest == "/settings/searchable-attributes",
+			index && r.Method == http.MethodPost && rest == "/documents":
 			w.WriteHeader(http.StatusAccepted)
 			w.Write([]byte(task))
-		case r.Method == http.MethodPost && r.URL.Path == "/indexes/orders/search":
+		case index && r.Method == http.MethodPost && rest == "/search":
 			var out []map[string]string
 			for _, id := range hits {
 				out = append(out, map[string]string{"id": id})
@@ -284,7 +288,7 @@ func TestOptionalAdaptersUpAndDown(t *testing.T) {
 		env := fastEnv(t)
 		meili := newMeiliDouble(t, "available")
 		env["MEILI_URL"] = meili.srv.URL
-		env["S3_ENDPOINT"], env["S3_ACCESS_KEY"], env["S3_SECRET_KEY"], env["S3_BUCKET"] = s3.Endpoint, s3.AccessKey, s3.SecretKey, "receipts"
+		env["S3_ENDPOINT"], env["S3_ACCESS_KEY"], env["S3_SECRET_KEY"], env["S3_BUCKET"] = s3.Endpoint, s3.AccessKey, s3.SecretKey, "files"
 		s := startInProcess(t, env)
 		for _, phase := range []string{"searchAdapter", "fileStorage"} {
 			if s.logs.find(map[string]any{"phase": phase, "outcome": "ok"}) == nil {
@@ -299,7 +303,7 @@ func TestOptionalAdaptersUpAndDown(t *testing.T) {
 			}
 		}
 		client, _ := minio.New(s3.Endpoint, &minio.Options{Creds: credentials.NewStaticV4(s3.AccessKey, s3.SecretKey, "")})
-		if ok, err := client.BucketExists(context.Background(), "receipts"); !ok || err != nil {
+		if ok, err := client.BucketExists(context.Background(), "files"); !ok || err != nil {
 			t.Errorf("bucket not created by phase 12: %v %v", ok, err)
 		}
 		s.app.health.refresh(context.Background())

@@ -506,20 +506,20 @@ func TestProcessOutboxRetention(t *testing.T) {
 // Every job kind has its own queue, named in River's spelling, and an insert
 // that names no queue lands in its kind's.
 func TestJobKindsHaveQueuesOfTheirOwn(t *testing.T) {
-	for kind, want := range map[string]string{"indexOrder": "index_order", "writeReceipt": "write_receipt", "report": "report", "purgeOutbox": "purge_outbox"} {
+	for kind, want := range map[string]string{"indexNote": "index_note", "writeFile": "write_file", "digest": "digest", "purgeOutbox": "purge_outbox"} {
 		if got := queueOf(kind); got != want {
 			t.Errorf("queueOf(%q) = %q, want %q", kind, got, want)
 		}
 	}
-	queues := queuesByKind([]string{"indexOrder", "writeReceipt"}, 3)
-	if len(queues) != 3 || queues["index_order"].MaxWorkers != 3 || queues[river.QueueDefault].MaxWorkers != 3 {
+	queues := queuesByKind([]string{"indexNote", "writeFile"}, 3)
+	if len(queues) != 3 || queues["index_note"].MaxWorkers != 3 || queues[river.QueueDefault].MaxWorkers != 3 {
 		t.Errorf("queues %+v", queues)
 	}
-	params := []*rivertype.JobInsertParams{{Kind: "writeReceipt", Queue: river.QueueDefault}, {Kind: "report", Queue: "elsewhere"}}
+	params := []*rivertype.JobInsertParams{{Kind: "writeFile", Queue: river.QueueDefault}, {Kind: "digest", Queue: "elsewhere"}}
 	if _, err := insertIntoKindQueue(context.Background(), params, func(context.Context) ([]*rivertype.JobInsertResult, error) { return nil, nil }); err != nil {
 		t.Fatal(err)
 	}
-	if params[0].Queue != "write_receipt" || params[1].Queue != "elsewhere" {
+	if params[0].Queue != "write_file" || params[1].Queue != "elsewhere" {
 		t.Errorf("queues after the middleware: %q, %q", params[0].Queue, params[1].Queue)
 	}
 }

@@ -177,32 +177,32 @@ func TestHookDeadlineKeepsAReserveForLaterHooks(t *testing.T) {
 // Job args of the feature-graph test: a job is named by its args type.
 type (
 	testIndexArgs  struct{}
-	testReportArgs struct{}
+	testDigestArgs struct{}
 	testManualArgs struct{}
 )
 
-func (testIndexArgs) Kind() string  { return "indexOrder" }
-func (testReportArgs) Kind() string { return "report" }
+func (testIndexArgs) Kind() string  { return "indexNote" }
+func (testDigestArgs) Kind() string { return "digest" }
 func (testManualArgs) Kind() string { return "sleep" }
 
 func TestValidateFeaturesListsEveryProblem(t *testing.T) {
 	index := func(workDeps, context.Context, *river.Job[testIndexArgs]) error { return nil }
 	indexArgs := func(outboxEvent) (testIndexArgs, error) { return testIndexArgs{}, nil }
-	reportAt := func(time.Time, int64) testReportArgs { return testReportArgs{} }
+	digestAt := func(time.Time, int64) testDigestArgs { return testDigestArgs{} }
 	err := validateFeatures([]feature{
-		{name: "orders", publishes: []string{"order.created"}, workers: []worker{work(index)},
-			subscriptions: []subscription{subscribe("order.created", indexArgs), subscribe("order.shipped", indexArgs)},
-			crons:         []cronJob{schedule("*/5 * * *", reportAt)}},
-		{name: "orders", requires: []setting{{name: "MEILI_URL", present: false}}},
-		{name: "reports", workers: []worker{work(index)}, routes: []route{{method: "GET", path: "/reports"}},
+		{name: "notes", publishes: []string{"note.added"}, workers: []worker{work(index)},
+			subscriptions: []subscription{subscribe("note.added", indexArgs), subscribe("note.archived", indexArgs)},
+			crons:         []cronJob{schedule("*/5 * * *", digestAt)}},
+		{name: "notes", requires: []setting{{name: "MEILI_URL", present: false}}},
+		{name: "digests", workers: []worker{work(index)}, routes: []route{{method: "GET", path: "/digests"}},
 			manualJobs: []manualJob{byHand(func(echo.Context) (testManualArgs, error) { return testManualArgs{}, nil })}},
 	})
 	if err == nil {
 		t.Fatal("no error")
 	}
-	for _, want := range []string{`feature "orders" is declared by both`, `unknown event "order.shipped"`,
-		`schedules job "report", which no feature works`, `run job "sleep", which no feature works`,
-		`cron "*/5 * * *"`, "needs MEILI_URL", `job "indexOrder" is declared by both`, "outside /api/"} {
+	for _, want := range []string{`feature "notes" is declared by both`, `unknown event "note.archived"`,
+		`schedules job "digest", which no feature works`, `run job "sleep", which no feature works`,
+		`cron "*/5 * * *"`, "needs MEILI_URL", `job "indexNote" is declared by both`, "outside /api/"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("missing %q in:\n%v", want, err)
 		}

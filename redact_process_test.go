@@ -59,8 +59,8 @@ func TestRedactConnStringHidesUserinfoAndTokenParams(t *testing.T) {
 	for _, tc := range []struct{ in, shown, secrets string }{
 		{"https://ada:pw@meili:7700/", "https://ada:xxxxx@meili:7700/", "pw"},
 		{"https://tok123@meili:7700/", "https://xxxxx@meili:7700/", "tok123"},
-		{"http://meili/?token=t1&key=k1&secret=s1&password=p1&api_key=a1&sig=g1&index=orders",
-			"http://meili/?api_key=xxxxx&index=orders&key=xxxxx&password=xxxxx&secret=xxxxx&sig=xxxxx&token=xxxxx", "a1 g1 k1 p1 s1 t1"},
+		{"http://meili/?token=t1&key=k1&secret=s1&password=p1&api_key=a1&sig=g1&index=movies",
+			"http://meili/?api_key=xxxxx&index=movies&key=xxxxx&password=xxxxx&secret=xxxxx&sig=xxxxx&token=xxxxx", "a1 g1 k1 p1 s1 t1"},
 		{"postgres://kumiko@db/kumiko?sslmode=disable", "postgres://kumiko@db/kumiko?sslmode=disable", ""}, // a role name, not a token
 		{"postgres://kumiko:pw@db/kumiko", "postgres://kumiko:xxxxx@db/kumiko", "pw"},
 	} {

@@ -25,7 +25,7 @@ func insertDelivered(t testing.TB, pool *pgxpool.Pool, n, size int) int64 {
 	var first int64
 	err := pool.QueryRow(context.Background(), `WITH ins AS (
 		INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, delivered_at, delivery_seq)
-		SELECT 'order', g::text, 'order.created', jsonb_build_object('orderId', g, 'pad', repeat('x', $2::int)),
+		SELECT 'note', g::text, 'note.added', jsonb_build_object('noteId', g, 'pad', repeat('x', $2::int)),
 		       now(), nextval('outbox_delivery_seq')
 		FROM generate_series(1, $1::int) g RETURNING id)
 		SELECT min(id) FROM ins`, n, size).Scan(&first)
@@ -255,7 +255,7 @@ func TestProcessResumeFromDeletedEventResets(t *testing.T) {
 		r.ID != int64(r.Data["resumeFrom"].(float64)) {
 		t.Errorf("reset frame %+v; want reason, lastEventId %d, oldestKeptId ≥ %d, resumeFrom = id ≥ %d", r, first+2, first+5, newest)
 	}
-	if old := c.events("order.created"); len(old) != 0 {
+	if old := c.events("note.added"); len(old) != 0 {
 		t.Errorf("a reset stream replayed %d old events", len(old))
 	}
 
