@@ -10,7 +10,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -28,8 +27,7 @@ import (
 type answer struct {
 	status     int
 	retryAfter string
-	id         string // the order's id, for a 201
-	token      string // the order's read token, for a 201
+	body       []byte
 	took       time.Duration
 	err        error // no answer at all
 }
@@ -48,13 +46,8 @@ func do(client *http.Client, req *http.Request) answer {
 		return answer{err: err, took: time.Since(start)}
 	}
 	defer resp.Body.Close()
-	var body struct {
-		ID        string `json:"id"`
-		ReadToken string `json:"readToken"`
-	}
-	raw, _ := io.ReadAll(resp.Body)
-	_ = json.Unmarshal(raw, &body)
-	return answer{status: resp.StatusCode, retryAfter: resp.Header.Get("Retry-After"), id: body.ID, token: body.ReadToken, took: time.Since(start)}
+	body, _ := io.ReadAll(resp.Body)
+	return answer{status: resp.StatusCode, retryAfter: resp.Header.Get("Retry-After"), body: body, took: time.Since(start)}
 }
 
 // concurrently runs n calls of fn at once and returns their answers.

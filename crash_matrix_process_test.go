@@ -647,7 +647,7 @@ func (m *crashMatrix) serveOrphans(keys []string, killed time.Time) (lines []str
 		case last.status != http.StatusCreated:
 			lines = append(lines, fmt.Sprintf("key %s: %s without Retry-After", key, last))
 		default:
-			m.load.served(key, last.id)
+			m.load.served(key, last.orderID())
 			lines = append(lines, fmt.Sprintf("ok %s after %s (%d × 409)", key, took.Round(time.Millisecond), conflicts))
 		}
 	}
@@ -711,8 +711,8 @@ func (l *crashLoad) run() {
 
 		l.mu.Lock()
 		switch {
-		case got.status == http.StatusCreated && got.id != "":
-			l.created[key] = got.id
+		case got.status == http.StatusCreated && got.orderID() != "":
+			l.created[key] = got.orderID()
 		case toVictim && (got.err != nil || got.status == http.StatusServiceUnavailable):
 			l.orphans = append(l.orphans, key)
 		case !toVictim && got.status == http.StatusServiceUnavailable && got.retryAfter != "":

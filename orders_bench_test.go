@@ -193,7 +193,7 @@ func restartUnderLoad(b *testing.B) {
 			byStatus[fmt.Sprint(a.status)]++
 		}
 		if a.status == http.StatusCreated {
-			created[a.id] = true
+			created[a.orderID()] = true
 		}
 	}
 	conn, err := pgx.Connect(context.Background(), pg.URL)

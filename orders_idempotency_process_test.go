@@ -91,14 +91,14 @@ func TestIdempotencyKeyOfAKilledHolderIsFreeWithinTheLease(t *testing.T) {
 	})
 	freed := time.Since(killed)
 	t.Logf("holder SIGKILLed: retry served %s after the kill (%d × 409 before), answer %s", freed.Round(time.Millisecond), conflicts, served)
-	if served.status != http.StatusCreated || served.id == "" {
+	if served.status != http.StatusCreated || served.orderID() == "" {
 		t.Fatalf("retry after the holder died: %s, want 201", served)
 	}
 	var n int
 	if err := db.QueryRow(ctx, `SELECT count(*) FROM orders WHERE idempotency_key = $1`, key).Scan(&n); err != nil || n != 1 {
 		t.Fatalf("%d orders for the key (%v), want 1", n, err)
 	}
-	if again := postOrder(client, apiB, key); again.status != http.StatusCreated || again.id != served.id {
-		t.Fatalf("a second retry answered %s, order %q; want the same order %q", again, again.id, served.id)
+	if again := postOrder(client, apiB, key); again.status != http.StatusCreated || again.orderID() != served.orderID() {
+		t.Fatalf("a second retry answered %s, order %q; want the same order %q", again, again.orderID(), served.orderID())
 	}
 }

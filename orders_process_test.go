@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -19,6 +20,15 @@ import (
 	toxiproxy "github.com/Shopify/toxiproxy/v2/client"
 	"github.com/jackc/pgx/v5"
 )
+
+// orderID and readToken are what a 201 to POST /api/orders carries.
+func (a answer) orderID() string   { return a.created().ID }
+func (a answer) readToken() string { return a.created().ReadToken }
+
+func (a answer) created() (order struct{ ID, ReadToken string }) {
+	json.Unmarshal(a.body, &order) // a body that is not an order leaves both empty
+	return order
+}
 
 // postOrder posts a valid order, with an Idempotency-Key when key != "".
 func postOrder(client *http.Client, api, key string) answer {
@@ -117,7 +127,7 @@ func TestPostgresRestartDuringLoadAnswersNo500AndLosesNothing(t *testing.T) {
 		case s.status >= 500 && (s.status != http.StatusServiceUnavailable || s.retryAfter == ""):
 			wrong = append(wrong, s.answer.String())
 		case s.status == http.StatusCreated:
-			created[s.id] = true
+			created[s.orderID()] = true
 		}
 		byStatus[s.status]++
 		if s.key != "" {
@@ -126,7 +136,7 @@ func TestPostgresRestartDuringLoadAnswersNo500AndLosesNothing(t *testing.T) {
 				if a := postOrder(client, api, s.key); a.status != http.StatusCreated {
 					t.Errorf("retry of %s: %s", s.key, a)
 				} else {
-					created[a.id] = true
+					created[a.orderID()] = true
 				}
 			}
 		} else if s.status == http.StatusCreated {
@@ -209,8 +219,8 @@ func TestRedisHungIdempotentOrderFallsBackToTheUniqueKey(t *testing.T) {
 			t.Errorf("want 201 well within a second or so, got %s", a)
 		}
 	}
-	if first.id == "" || again.id != first.id {
-		t.Errorf("the retry with the same key answered order %q, the first %q: want the same order", again.id, first.id)
+	if first.orderID() == "" || again.orderID() != first.orderID() {
+		t.Errorf("the retry with the same key answered order %q, the first %q: want the same order", again.orderID(), first.orderID())
 	}
 	waitReadiness(t, ops, http.StatusOK, 10*time.Second)
 	if a := postOrder(client, api, "hung-redis-2"); a.status != http.StatusCreated {
@@ -236,8 +246,8 @@ func TestPostgresHungRequestsAnswerAndTheDrainIsBounded(t *testing.T) {
 
 	pg.Freeze()
 	defer pg.Thaw()
-	req, _ := http.NewRequest(http.MethodGet, api+"/api/orders/"+created.id, nil)
-	req.Header.Set("Authorization", "Bearer "+created.token)
+	req, _ := http.NewRequest(http.MethodGet, api+"/api/orders/"+created.orderID(), nil)
+	req.Header.Set("Authorization", "Bearer "+created.readToken())
 	answers := map[string]answer{
 		"POST":                     postOrder(client, api, ""),
 		"POST with a key":          postOrder(client, api, "hung-pg"),
@@ -323,8 +333,8 @@ func TestRedisBlackHoleAtBootMidRunAndInTheDrain(t *testing.T) {
 			t.Errorf("want 201 well within a second or so, got %s", a)
 		}
 	}
-	if again.id != first.id {
-		t.Errorf("the retry answered order %q, the first %q", again.id, first.id)
+	if again.orderID() != first.orderID() {
+		t.Errorf("the retry answered order %q, the first %q", again.orderID(), first.orderID())
 	}
 
 	// In the drain, still black-holed.
@@ -441,7 +451,7 @@ func TestToxicLatencyResetAndBandwidth(t *testing.T) {
 		remove = toxic(redisProxy, name, kind, attrs)
 		key := "toxic-" + name
 		first, again := postOrder(client, api, key), postOrder(client, api, key)
-		if first.status != http.StatusCreated || again.id != first.id || first.took > 3*time.Second {
+		if first.status != http.StatusCreated || again.orderID() != first.orderID() || first.took > 3*time.Second {
 			t.Errorf("Redis %s: %s, then %s; want 201 at once and the same order", kind, first, again)
 		}
 		remove()
