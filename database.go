@@ -145,9 +145,9 @@ func purgePool(p *pgxpool.Pool) {
 // nothing of it reached the server (pgconn.SafeToRetry), the server answered
 // that it is going away (57P01 and the like), or the socket broke. fn must be
 // idempotent, because a server going away may say so only after it
-// committed: the request path reads, and the order insert carries the same
-// order id both times, so its unique index tells a second try that the first
-// one landed. A lost connection purges the pool first, so the second try gets
+// committed: the request path reads, and an insert carries the same id both
+// times (drawn before the first try), so its unique index tells a second try
+// that the first one landed. A lost connection purges the pool first, so the second try gets
 // a fresh one. Anything else is returned as it is; the API answers a
 // dependency's failure with 503 and Retry-After (dependencyUnavailable).
 func retrySafe[T any](ctx context.Context, db *pgxpool.Pool, fn func(context.Context) (T, error)) (T, error) {

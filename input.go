@@ -19,13 +19,13 @@ import (
 
 // keyProblem walks the object keys of a JSON body and names the first one
 // encoding/json would take in a way the client did not mean: a key given
-// twice in one object (encoding/json keeps the last, so {"customer":"A",
-// "customer":"B"} stores B), or a key that matches a field only when case is
-// ignored ("CUSTOMER", "Customer", even "ſku" with a long s), which
+// twice in one object (encoding/json keeps the last, so {"title":"A",
+// "title":"B"} stores B), or a key that matches a field only when case is
+// ignored ("TITLE", "Title", even "ſize" with a long s), which
 // encoding/json accepts although DisallowUnknownFields is set. A body that is
 // not JSON is left to the decoder, which names the syntax error.
 //
-// It runs on every order, so a body that is one valid JSON value (every
+// It runs on every request body, so one that is a valid JSON value (every
 // well-formed request) is walked byte by byte without allocating
 // (scanKeys); any other body takes the token walk (keyProblemByTokens),
 // which reports what lies before the syntax error exactly as before.

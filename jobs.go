@@ -135,8 +135,9 @@ func (h logrusHandler) WithGroup(name string) slog.Handler {
 }
 
 // Each job kind has a queue of its own, with its own workers: a dependency
-// that hangs (S3 under the receipts) stalls only the kind that needs it,
-// while the other kinds (the search index) keep being worked. The default
+// that hangs (S3 under a kind that writes files) stalls only the kind that
+// needs it, while the other kinds (one that indexes in Meilisearch) keep
+// being worked. The default
 // queue stays, with the same workers, for jobs inserted without a kind's
 // queue (by an older version, or by hand in SQL).
 func queuesByKind(kinds []string, workers int) map[string]river.QueueConfig {
@@ -147,7 +148,7 @@ func queuesByKind(kinds []string, workers int) map[string]river.QueueConfig {
 	return queues
 }
 
-// queueOf names a kind's queue in River's spelling: indexOrder → index_order.
+// queueOf names a kind's queue in River's spelling: purgeOutbox → purge_outbox.
 func queueOf(kind string) string {
 	var b strings.Builder
 	for i, r := range kind {

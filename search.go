@@ -9,8 +9,8 @@ import (
 )
 
 // searchAdapter is phase 11. Search is an optional dependency: when it is down
-// the boot goes on and the features that use it fall back (the orders demo's
-// search uses SQL). Its readiness check is shown but never fails readiness.
+// the boot goes on and the features that use it fall back (to SQL, say). Its
+// readiness check is shown but never fails readiness.
 func (a *app) searchAdapter(ctx context.Context, p *phaseRun) error {
 	if a.cfg.Search.URL == "" {
 		a.health.RegisterSkipped("search", "MEILI_URL is not set")

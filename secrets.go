@@ -92,7 +92,7 @@ func (k *masterKey) mac(purpose string, msg []byte) []byte {
 	return h.Sum(nil)
 }
 
-// seal encrypts plaintext; aad binds the result to its context (e.g. "order:42")
+// seal encrypts plaintext; aad binds the result to its context (e.g. "note:42")
 // so a sealed value cannot be moved to another row.
 func (k *masterKey) seal(plaintext, aad []byte) []byte {
 	nonce := make([]byte, k.aead.NonceSize())

@@ -16,7 +16,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// One trace follows an order from the HTTP request that wrote it, through its
+// One trace follows a write from the HTTP request that made it, through its
 // outbox event (the trace context is stored with the event), to the jobs the
 // delivery inserts (the delivery span's context rides in the job's metadata)
 // — also when another instance delivers or works it. W3C trace context is
