@@ -1,12 +1,14 @@
 package main
 
-// The rate limiter's cost on POST /api/orders, measured, not asserted:
+// The rate limiter's cost, measured, not asserted:
 //
 //	KUMIKO_REQUIRE_SERVICES=1 go test -run '^$' -bench 'RateLimiter' -benchtime 2000x .
 //
+// BenchmarkRateLimiterReserve            the limiter's own cost per request (ns/op)
+// demo:begin (the orders demo's benchmark, in orders_bench_test.go; scripts/new-service.sh --bare removes this block)
 // BenchmarkRateLimiterCostOnCreateOrder  p50 of POST /api/orders with the limiter on and off
 //                                        (two in-process instances, requests alternated)
-// BenchmarkRateLimiterReserve            the limiter's own cost per request (ns/op)
+// demo:end
 
 import (
 	"strconv"

@@ -8,6 +8,7 @@ package main
 //                                      committed at once, with Redis up, and
 //                                      with Redis stopped (the SSE hubs then
 //                                      catch up from Postgres on their poll)
+// demo:begin (the orders demo's benchmark, in orders_bench_test.go; scripts/new-service.sh --bare removes this block)
 //
 //	go test -run '^$' -bench DependencyBlips -benchtime 1x -v .
 //
@@ -17,6 +18,7 @@ package main
 // restart (requests, answers by status, p99, orders lost and doubled), and
 // with Redis and then PostgreSQL frozen (SIGSTOP): POST p50/p99 with and
 // without an Idempotency-Key, the readiness flip and SIGTERM → exit.
+// demo:end
 
 import (
 	"context"

@@ -80,39 +80,6 @@ func BenchmarkDependencyBlips(b *testing.B) {
 	})
 }
 
-// BenchmarkLifecycleReadinessStorm: many clients hammer /health/ready; the
-// DB is pinged once per cache TTL (1s by default) however hard they push.
-func BenchmarkLifecycleReadinessStorm(b *testing.B) {
-	env, ops := benchEnv(b)
-	env["KUMIKO_READINESS_CHECK_INTERVAL"] = "1s"
-	cmd := benchCmd(env)
-	if err := cmd.Start(); err != nil {
-		b.Fatal(err)
-	}
-	defer func() { cmd.Process.Signal(syscall.SIGTERM); cmd.Wait() }()
-	waitReady200(b, ops)
-	pingsBefore := dbProbes(b, ops)
-
-	transport := &http.Transport{MaxIdleConnsPerHost: 256}
-	client := &http.Client{Transport: transport}
-	b.SetParallelism(32)
-	start := time.Now()
-	b.RunParallel(func(pb *testing.PB) {
-		for pb.Next() {
-			resp, err := client.Get(ops + "/health/ready")
-			if err != nil {
-				b.Error(err)
-				return
-			}
-			resp.Body.Close()
-		}
-	})
-	elapsed := time.Since(start)
-	pings := dbProbes(b, ops) - pingsBefore
-	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "probes/s")
-	b.ReportMetric(pings/elapsed.Seconds(), "db-pings/s")
-}
-
 // BenchmarkTracingOverhead compares boot time and POST /api/orders latency
 // with traces exported to a real OTLP/HTTP receiver and with the noop provider.
 //
