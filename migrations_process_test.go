@@ -174,9 +174,9 @@ func TestDirtySchemaSaysWhatMendsIt(t *testing.T) {
 	defer conn.Close(ctx)
 	latest := shippedLatest(t)
 	// A dirty mark whose changes are present is told apart by a trial run
-	// that fails on them; a migration that can safely run twice (000015
-	// strips a field) cannot be told apart, and needs not be. So the case is
-	// built on the newest migration that cannot run twice.
+	// that fails on them; a migration that can safely run twice (one that
+	// only strips a field from rows, say) cannot be told apart, and needs not
+	// be. So the case is built on the newest migration that cannot run twice.
 	present := newestNotRerunnable(t, db)
 	if n := stepsAbove(t, present); n > 0 {
 		if out, err := migrateCommand(t, env, db, "down", fmt.Sprint(n)); err != nil {

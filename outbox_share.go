@@ -19,8 +19,9 @@ import (
 // (docs/delivery.md).
 const outboxPartitions = 32
 
-// outboxPartitionExpr is an event's partition in SQL. Migration 14 indexes
-// it, character for character, with the pending events' ids.
+// outboxPartitionExpr is an event's partition in SQL. The migration
+// outbox_partitioned_delivery indexes it, character for character, with the
+// pending events' ids.
 const outboxPartitionExpr = `((hashtext(aggregate_type || '/' || aggregate_id) & 2147483647) % 32)`
 
 // outboxPartitionLockClass is the first key of the per-partition advisory

@@ -87,7 +87,8 @@ perl -0pi -e '
   s/\("kumiko" in\n(\s*\/\/) ASCII\)\. /(derived from\n${1} the service name). / or die "advisoryLockKey comment not found\n";
   s/(advisoryLockKey\s*=\s*)0x[0-9a-f]+/${1}'"$lock"'/ or die "advisoryLockKey not found\n";
 ' app.go
-# The outbox's down migration takes the same lock, in decimal.
+# The outbox's down migration takes the same lock, in decimal (before --bare
+# numbers the migrations again).
 perl -pi -e 's/\b118152090970991\b/'"$((lock))"'/ and $found = 1; END { exit !$found }' \
   migrations/000014_outbox_partitioned_delivery.down.sql || die "the delivery lock in migration 14's down file not found"
 
@@ -111,6 +112,25 @@ if $bare; then
   for f in "${demo_files[@]}"; do
     [ -e "$f" ] || die "--bare: $f is not in this copy (the template changed; update demo_files)"
     if $in_git; then git rm -rq -- "$f"; else rm -rf -- "$f"; fi
+  done
+  # The migrations: a new service has no database that remembers the
+  # template's numbers, so the first one is named for what is left in it and
+  # the kept ones are numbered again without the demo's gaps. Migrations 1-12
+  # keep their numbers; what points at a later one names it
+  # (outbox_partitioned_delivery), not its number.
+  mv_file() { if $in_git; then git mv -- "$1" "$2"; else mv -- "$1" "$2"; fi; }
+  for ext in up down; do
+    [ -e "migrations/000001_orders_and_outbox.$ext.sql" ] || die "--bare: migrations/000001_orders_and_outbox.$ext.sql is not in this copy (the template changed)"
+    mv_file "migrations/000001_orders_and_outbox.$ext.sql" "migrations/000001_outbox.$ext.sql"
+  done
+  n=0 renumbered=("000001_orders_and_outbox → 000001_outbox")
+  for up in migrations/*.up.sql; do # sorted by name, so by number
+    n=$((n + 1)) from=${up#migrations/}
+    from=${from%.up.sql}
+    to=$(printf '%06d_%s' "$n" "${from#*_}")
+    [ "$from" = "$to" ] && continue
+    for ext in up down; do mv_file "migrations/$from.$ext.sql" "migrations/$to.$ext.sql"; done
+    renumbered+=("$from → $to")
   done
   perl -ni -e 'print unless /^\s*ordersFeature\(cfg\),/' features.go
   grep -q ordersFeature features.go && die "--bare: the ordersFeature line is still in features.go"
@@ -156,6 +176,7 @@ go test -count=1 -run '^TestExampleConfigFile$' . -update >/dev/null || die "reg
 echo "new-service: $old_module → $module, service $name"
 echo "  binary/version/OTel service.name $name, metrics ${snake}_*, env ${upper}_*, Redis ${name}:*, config ${name}.config.yaml, advisory lock $lock"
 echo "  removed: ${remove[*]} and the README's template section"
+if $bare; then echo "  migrations: ${renumbered[*]}"; fi
 echo "  rewrote ${#changed[@]} files:"
 printf '    %s\n' "${changed[@]}"
 
