@@ -283,7 +283,7 @@ func (c *config) settings() []configSetting {
 		// demo:end
 
 		{key: "sse.maxStreams", env: "KUMIKO_SSE_MAX_STREAMS", def: "5000", value: uintValue{p: &c.SSE.MaxStreams, min: 1},
-			doc: "open event streams per instance; beyond, 503 (5,000 measured safe on 2 cores: scripts/bench-sse.sh)"},
+			doc: "open event streams per instance; beyond, 503 (5,000 measured safe on 2 cores)"},
 		{key: "sse.heartbeat", env: "KUMIKO_SSE_HEARTBEAT", def: "15s", value: durationValue{p: &c.SSE.Heartbeat},
 			doc: "comment lines that keep idle proxies from closing a stream", old: "sse.heartbeatSec"},
 		{key: "sse.retry", env: "KUMIKO_SSE_RETRY", def: "1s", value: durationValue{p: &c.SSE.RetryHint},

@@ -187,7 +187,7 @@ func connectionLost(err error) bool {
 // them. A restart this connection hears purges the pool too (the OnPgError
 // hook), so readiness says 200 again only once the pool can serve. Its
 // detail shows the pool's own state. The readiness cache runs one probe at a
-// time; the mutex only orders it against close.
+// time; the mutex only serializes it with close.
 type dbProbe struct {
 	config *pgx.ConnConfig
 	pool   *pgxpool.Pool

@@ -79,7 +79,7 @@ func fastEnv(t testing.TB) map[string]string {
 		"KUMIKO_OUTBOX_RETRY_BASE":        "50ms",
 		"KUMIKO_INSTANCE_ID":              "test-" + strings.ReplaceAll(t.Name(), "/", "-"),
 		// Tests fire bursts of up to a few hundred requests at a cold
-		// instance to test caching, idempotency or the drain; on a slow
+		// instance to test caching, retries or the drain; on a slow
 		// machine they are all in flight at once, and the limiter's
 		// starting limit would shed some. Its own tests set it.
 		"KUMIKO_API_CONCURRENCY_MIN": "500",

@@ -49,7 +49,7 @@ type sseStream struct {
 // errStreamForced ends a stream the drain force-closed.
 var errStreamForced = errors.New("event stream force-closed by the drain")
 
-// arm gives the next write its deadline. The stream's lock orders it against
+// arm gives the next write its deadline. The stream's lock serializes it with
 // forceClose, so a handler cannot push back a deadline the drain pulled in.
 func (s *sseStream) arm() error {
 	s.mu.Lock()

@@ -68,8 +68,8 @@ func newStartStop(component string, mode stopMode, onPanic func(component string
 
 // start is the body of a component's Start: prepare (may be nil) runs with
 // ctx and its error is returned as is, then run starts in an owned goroutine.
-// prepare runs under the lock that orders Start and Stop, so it must not call
-// back into s.
+// prepare runs under the lock that serializes Start and Stop, so it must not
+// call back into s.
 // run's context is detached from ctx — a boot phase's context ends with the
 // phase — and ends with the hard stop (or at once with stopNow).
 func (s *startStop) start(ctx context.Context, prepare func(context.Context) error, run func(context.Context)) error {

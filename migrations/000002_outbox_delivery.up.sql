@@ -1,4 +1,4 @@
--- delivery_seq orders delivered events in the order their delivery committed.
+-- delivery_seq numbers delivered events in the order their delivery committed.
 -- Outbox ids are taken at insert and commit out of order, so an SSE client
 -- resuming "after id N" could miss an event that committed late; resuming
 -- "after the delivery of N" cannot. Pollers draw it from the sequence while

@@ -25,7 +25,7 @@ export KUMIKO_ADMIN_TOKEN="${KUMIKO_ADMIN_TOKEN:-demo-admin-token-change-me}"
 start_app 1
 start_app 2
 start_lb
-# The banner comes once HAProxy routes to both: an order pasted at once must
+# The banner comes once HAProxy routes to both: a request pasted at once must
 # not meet a load balancer whose checks have not yet marked an instance UP.
 for n in 1 2; do wait_ready "$n"; wait_lb "$n" UP; done
 

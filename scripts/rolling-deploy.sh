@@ -12,7 +12,9 @@
 #
 #   scripts/rolling-deploy.sh                      # 500 requests/s of GET /api/slow?ms=5, 10s steady, then the roll
 #   RATE=200 STEADY=2s scripts/rolling-deploy.sh   # shorter (what CI runs)
+# demo:begin (the orders demo; scripts/new-service.sh --bare removes this block)
 #   LOAD=orders RATE=1000 scripts/rolling-deploy.sh  # 80 % GET /api/orders/{id}, 20 % POST /api/orders (the orders demo)
+# demo:end
 #   KUMIKO_LINGER=0 scripts/rolling-deploy.sh      # see what the linger buys
 #   KUMIKO_LINGER_QUIET=3s KUMIKO_LINGER=3s scripts/rolling-deploy.sh  # a fixed linger instead of the adaptive one
 #   RATE=0 scripts/rolling-deploy.sh               # no traffic: SIGTERM → exit of an idle instance
@@ -67,7 +69,7 @@ orders)
   done
   ;;
 # demo:end
-*) echo "LOAD must be slow or orders, not $LOAD" >&2; exit 2 ;;
+*) echo "LOAD $LOAD is not one this script knows (see its header)" >&2; exit 2 ;;
 esac
 load=("$DIR/rollload" attack -targets="$DIR/targets" -rate="$RATE" -timeout=10s)
 echo "steady state: $RATE requests/s ($LOAD) for $STEADY"
