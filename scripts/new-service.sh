@@ -169,9 +169,11 @@ done < <(list_files)
 # Longer or shorter names shift gofmt's alignment of comments and map values.
 gofmt -l -w . >/dev/null || die "gofmt failed on the rewritten Go files"
 # The example config file aligns its comments after the values, which the new
-# names made longer or shorter: it is generated again from the settings table.
+# names made longer or shorter, and --bare removed the demo's settings: it and
+# docs/configuration.md's reference are generated again from the settings table.
 example=$(ls ./*.config.example.yaml)
-go test -count=1 -run '^TestExampleConfigFile$' . -update >/dev/null || die "regenerating $example failed: go test -run TestExampleConfigFile . -update"
+go test -count=1 -run '^(TestExampleConfigFile|TestConfigReferenceInDocs)$' . -update >/dev/null ||
+  die "regenerating $example and docs/configuration.md failed: go test -run 'TestExampleConfigFile|TestConfigReferenceInDocs' . -update"
 
 echo "new-service: $old_module → $module, service $name"
 echo "  binary/version/OTel service.name $name, metrics ${snake}_*, env ${upper}_*, Redis ${name}:*, config ${name}.config.yaml, advisory lock $lock"
