@@ -588,9 +588,16 @@ watch_bg iptables "prev=; for _ in \$(seq 12000); do cur=\$(svc_dnat); [ \"\$cur
 old_pods=$(kubectl get pods -l app=$APP --field-selector=status.phase=Running -o jsonpath='{range .items[*]}{.metadata.name}={.status.podIP} {end}')
 for p in $old_pods; do watch_bg "log-${p%%=*}" "$BIN/kubectl logs -f ${p%%=*}"; done
 
-# Orders to read, then the target mix: of every 10 requests, 4 GET an order
-# (with the read token its POST answered), 4 GET /api/instance (its body names
-# the pod that served it) and 2 POST an order.
+# The target mix: of every 10 requests, 4 GET /api/instance (its body names
+# the pod that served it) and the others GET the API port's /health.
+# The event stream is checked with the instances' state changes, which every
+# pod of the rollout writes (starting→ready, ready→draining).
+stream_event=instance.state_changed
+# demo:begin (the orders demo; scripts/new-service.sh --bare removes this block)
+# With the orders demo, orders to read first; then of every 10 requests 4 GET
+# an order (with the read token its POST answered) and 2 POST an order, and
+# the stream is checked with their order.created events.
+stream_event=order.created
 ids=() tokens=()
 for i in $(seq 20); do
   created=$(curl -fsS -m 5 -H 'Content-Type: application/json' -d "{\"customer\":\"k8s-smoke-$i\",\"items\":[{\"sku\":\"a\",\"qty\":1,\"priceCents\":250}]}" "$URL/api/orders") ||
@@ -598,12 +605,16 @@ for i in $(seq 20); do
   ids+=("$(jq -r .id <<<"$created")") tokens+=("$(jq -r .readToken <<<"$created")")
 done
 body=$(echo -n '{"customer":"k8s-smoke-load","items":[{"sku":"b","qty":2,"priceCents":100}]}' | base64 -w0)
+# demo:end
 : >"$WORK/targets"
 for i in $(seq 0 19); do
   case $((i % 10)) in
+  # demo:begin (the orders demo; scripts/new-service.sh --bare removes this block)
   0 | 1 | 2 | 3) echo "{\"method\":\"GET\",\"url\":\"$URL/api/orders/${ids[$i]}\",\"header\":{\"Authorization\":[\"Bearer ${tokens[$i]}\"]}}" ;;
+  8 | 9) echo "{\"method\":\"POST\",\"url\":\"$URL/api/orders\",\"body\":\"$body\",\"header\":{\"Content-Type\":[\"application/json\"]}}" ;;
+  # demo:end
   4 | 5 | 6 | 7) echo "{\"method\":\"GET\",\"url\":\"$URL/api/instance\"}" ;;
-  *) echo "{\"method\":\"POST\",\"url\":\"$URL/api/orders\",\"body\":\"$body\",\"header\":{\"Content-Type\":[\"application/json\"]}}" ;;
+  *) echo "{\"method\":\"GET\",\"url\":\"$URL/health\"}" ;;
   esac
 done >>"$WORK/targets"
 
@@ -693,14 +704,14 @@ STEP="event stream"
 touch "$WORK/sse.stop"
 stop_pid sse "$sse_pid" 5
 psql() { kubectl exec deploy/postgres -- psql -U kumiko -d kumiko -tAc "$1"; }
-# The ids of the order.created frames (an id line comes before its event line).
-awk '/^id: / { id = $2 } /^event: order.created/ { print id }' "$WORK/sse.raw" >"$WORK/sse.ids"
+# The ids of the $stream_event frames (an id line comes before its event line).
+awk -v ev="$stream_event" '/^id: / { id = $2 } /^event: / && $2 == ev { print id }' "$WORK/sse.raw" >"$WORK/sse.ids"
 ! grep -q '^event: reset' "$WORK/sse.raw" || fail "the stream got a reset frame: its Last-Event-ID was not resumable"
 connects=$(wc -l <"$WORK/sse.connects")
 got=$(sort -n -u "$WORK/sse.ids" | wc -l)
 [ "$got" -gt 0 ] || fail "the stream received no event"
 first=$(sort -n "$WORK/sse.ids" | head -n 1) lastid=$(sort -n "$WORK/sse.ids" | tail -n 1)
-psql "SELECT id FROM outbox_events WHERE event_type = 'order.created' AND id BETWEEN $first AND $lastid ORDER BY id" >"$WORK/db.ids" ||
+psql "SELECT id FROM outbox_events WHERE event_type = '$stream_event' AND id BETWEEN $first AND $lastid ORDER BY id" >"$WORK/db.ids" ||
   fail "reading outbox_events"
 missing_ids=$(comm -23 <(sort "$WORK/db.ids") <(sort -u "$WORK/sse.ids") | wc -l)
 [ "$connects" -ge 2 ] || fail "the stream never reconnected (it should, when its pod drains)"
