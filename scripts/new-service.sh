@@ -134,10 +134,11 @@ if $bare; then
   done
   perl -ni -e 'print unless /^\s*ordersFeature\(cfg\),/' features.go
   grep -q ordersFeature features.go && die "--bare: the ordersFeature line is still in features.go"
-  # Marked blocks: a line containing demo:begin through a line containing demo:end.
+  # Marked blocks: a line containing demo:begin through a line containing
+  # demo:end; a line containing both is a block of its own (a table row).
   while IFS= read -r f; do
     [ -f "$f" ] && grep -Iq 'demo:begin' -- "$f" || continue
-    perl -ni -e 'if (/demo:begin/) { $skip = 1; next } if (/demo:end/) { $skip = 0; next } print unless $skip' -- "$f"
+    perl -ni -e 'if (/demo:begin/) { $skip = !/demo:end/; next } if (/demo:end/) { $skip = 0; next } print unless $skip' -- "$f"
   done < <(list_files)
   remove+=("the orders demo (${#demo_files[@]} files and its marked blocks)")
 fi
