@@ -5,8 +5,8 @@ package main
 // service runs as a child process against real servers; what is asserted is
 // what a client and an operator see — statuses, Retry-After, exit codes, log
 // lines, rows. Durations are asserted only with a wide margin (a hung
-// dependency used to cost 10 s or forever); the figures come from
-// BenchmarkDependencyBlips.
+// dependency used to cost 10 s or forever).
+// The figures come from BenchmarkDependencyBlips (orders_bench_test.go). demo:begin (this line) demo:end
 
 import (
 	"context"

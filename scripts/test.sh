@@ -19,9 +19,9 @@ if [ -n "$unformatted" ]; then
   exit 1
 fi
 stage vet
-# A short fuzz run of the parsers of client input (the order decoder, the key
-# check, the Last-Event-ID parser) and of the order answer's encoder, bounded
-# by executions, not by time: a time budget can run out inside the fuzzer's
+# A short fuzz run of every fuzz target (the parsers of client input, such as
+# the key check and the Last-Event-ID parser, and the encoders of answers),
+# bounded by executions, not by time: a time budget can run out inside the fuzzer's
 # own start-up on a busy machine and fail the run for the harness's sake,
 # while a count only makes a slow machine slower. A failing input still fails
 # the run and is written to testdata/fuzz/, where every later go test replays
