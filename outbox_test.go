@@ -474,7 +474,7 @@ func TestOutboxSharesCoverEveryPartitionOnce(t *testing.T) {
 // The claim's partition expression is the one the outbox_partitioned_delivery
 // migration indexes (the planner matches it as text) and cuts
 // outboxPartitions partitions. The migration is found by its name: a copy
-// made without the orders demo numbers it differently.
+// made without the demo numbers it differently.
 func TestOutboxPartitionExpressionIsIndexed(t *testing.T) {
 	names, err := fs.Glob(migrationFiles, "migrations/*_outbox_partitioned_delivery.up.sql")
 	if err != nil || len(names) != 1 {

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Installs what the tests and the local demo need, when it is missing:
-# PostgreSQL and Redis servers, HAProxy, curl and Chromium for the dashboard's
-# browser test (Debian packages), versitygw,
+# PostgreSQL and Redis servers, HAProxy and curl (Debian packages), versitygw,
 # a real S3 server for the storage tests, Toxiproxy, which puts latency, black
 # holes and resets between the service and PostgreSQL/Redis in the fault
 # tests, and vegeta, the load generator of the rolling deploy (go install).
+# Chromium too (Debian), for the orders demo's browser test of the dashboard. demo:begin (this line) demo:end
 set -euo pipefail
 
 missing=()
@@ -12,7 +12,7 @@ compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || command -v initdb >/
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
 command -v curl >/dev/null || missing+=(curl)
-command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium)
+command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium) # demo:begin (this line) demo:end
 if ((${#missing[@]})); then
   if [ "$(id -u)" -ne 0 ]; then
     echo "missing: ${missing[*]} — install them (sudo apt-get install ${missing[*]}) and run again" >&2
