@@ -14,8 +14,9 @@
 #   env prefix                               KUMIKO_* → ORDERS_SVC_*
 #   config file                              kumiko.config.yaml → orders-svc.config.yaml
 #   Dockerfile, compose, k8s, deploy/, scripts, tests and docs: every other spelling of the old name
-# and removes itself, its test and the README's template section: a service is
-# made from the template once. It prints every file it changed.
+# and removes itself, its tests (newservice_test.go, scripts/bare-smoke.sh) and
+# the template's sections of the README and .ci/run: a service is made from
+# the template once. It prints every file it changed.
 #
 # --bare also removes the orders demo: its files and folders (demo_files below: the
 # feature, its jobs, search and tests, and the scripts that only measure it),
@@ -93,12 +94,19 @@ perl -pi -e 's/\b118152090970991\b/'"$((lock))"'/ and $found = 1; END { exit !$f
   migrations/000014_outbox_partitioned_delivery.down.sql || die "the delivery lock in migration 14's down file not found"
 
 # 2. The template's own machinery goes: a service is made from it once.
-remove=("$self" newservice_test.go)
+remove=("$self" newservice_test.go scripts/bare-smoke.sh)
 for f in "${remove[@]}"; do
   if $in_git; then git rm -q -- "$f"; else rm -f -- "$f"; fi
 done
 # The README's template section sits between these two markers.
 perl -0pi -e 's/\n<!-- template:begin -->.*?<!-- template:end -->\n//s' README.md
+# Elsewhere the template's own lines (.ci/run's bare-smoke stage, what the
+# docs say of it) sit between a line containing template:begin and one
+# containing template:end.
+while IFS= read -r f; do
+  [ -f "$f" ] && grep -Iq 'template:begin' -- "$f" || continue
+  perl -ni -e 'if (/template:begin/) { $skip = 1; next } if (/template:end/) { $skip = 0; next } print unless $skip' -- "$f"
+done < <(list_files)
 
 # 2b. --bare: the orders demo goes.
 demo_files=(
