@@ -102,10 +102,10 @@ done
 perl -0pi -e 's/\n<!-- template:begin -->.*?<!-- template:end -->\n//s' README.md
 # Elsewhere the template's own lines (.ci/run's bare-smoke stage, what the
 # docs say of it) sit between a line containing template:begin and one
-# containing template:end.
+# containing template:end; a line holding both goes alone.
 while IFS= read -r f; do
   [ -f "$f" ] && grep -Iq 'template:begin' -- "$f" || continue
-  perl -ni -e 'if (/template:begin/) { $skip = 1; next } if (/template:end/) { $skip = 0; next } print unless $skip' -- "$f"
+  perl -ni -e 'if (/template:begin/) { $skip = !/template:end/; next } if (/template:end/) { $skip = 0; next } print unless $skip' -- "$f"
 done < <(list_files)
 
 # 2b. --bare: the orders demo goes.
