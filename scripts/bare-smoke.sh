@@ -20,6 +20,7 @@ scripts/install-deps.sh
 export PATH="$PATH:$(go env GOPATH)/bin"
 
 WORK=$(mktemp -d /tmp/bare-smoke.XXXXXX)
+chmod 755 "$WORK" # the demo's PostgreSQL runs as the postgres user when this runs as root
 COPY=$WORK/billing
 STEP=setup steps=() step_start=$SECONDS demo_pid=""
 say() { echo "bare-smoke: $*" >&2; }
