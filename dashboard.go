@@ -251,21 +251,13 @@ func (sp *statusPublisher) poke() {
 }
 
 func (sp *statusPublisher) run(ctx context.Context) {
-	tick := time.NewTicker(statusInterval)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		case <-sp.kick:
-		}
-		wctx, cancel := context.WithTimeout(ctx, statusInterval)
-		if err := sp.write(wctx, sp.lc.State().String(), statusTTL); err != nil {
+	everyTick(ctx, statusInterval, sp.kick, func(ctx context.Context) {
+		ctx, cancel := context.WithTimeout(ctx, statusInterval)
+		defer cancel()
+		if err := sp.write(ctx, sp.lc.State().String(), statusTTL); err != nil {
 			sp.log.WithError(err).Debug("publishing the instance status")
 		}
-		cancel()
-	}
+	})
 }
 
 // stepDone records a finished drain step (called by the drain, never blocks on Redis).
