@@ -167,13 +167,6 @@ func newestDue(s cron.Schedule, due, now time.Time) time.Time {
 	}
 }
 
-// cronRecheck is the longest the scheduler sleeps without reading the wall
-// clock. Ticks are wall-clock instants, but a timer counts elapsed time:
-// after the wall clock steps (NTP, a resumed VM, an operator), a timer set
-// for the old distance fires late or early by the size of the step. Waking
-// at least this often and recomputing the wait bounds that to this.
-const cronRecheck = time.Second
-
 // cronLoop fires the ticks of schedules on the wall clock.
 type cronLoop struct {
 	schedules []cron.Schedule

@@ -72,13 +72,8 @@ type publicPhase struct {
 	Retries    int          `json:"retries"`
 }
 
-// clusterCacheTTL is how long one Redis read of the workers and the leader
-// answers every /api/instance request: a storm of dashboard polls is then at
-// most one SCAN per TTL, not one per request.
-const clusterCacheTTL = time.Second
-
-// clusterCache reads the cluster at most once per TTL; concurrent misses
-// share one read (single flight).
+// clusterCache reads the cluster at most once per TTL (clusterCacheTTL);
+// concurrent misses share one read (single flight).
 type clusterCache struct {
 	rdb     *redis.Client
 	ttl     time.Duration
@@ -157,15 +152,9 @@ func handleInstance(lc *Lifecycle, rdb *redis.Client, instanceID string, budget 
 // state, boot timeline, requests per second, the drain steps so far — under
 // a TTL'd key next to its heartbeats, and every instance's /api/instance
 // reads all of them: the page shows the whole cluster whichever instance (or
-// load balancer) serves it.
+// load balancer) serves it. How often and for how long: statusInterval,
+// statusTTL and stoppedTTL (timeouts.go).
 const (
-	// statusInterval is how often the status is rewritten besides on every
-	// state change and drain step: the rate of the requests-per-second figure.
-	statusInterval = time.Second
-	// statusTTL drops the record of an instance that died without a drain.
-	statusTTL = 5 * time.Second
-	// stoppedTTL keeps a cleanly stopped instance on the page for a while.
-	stoppedTTL = 30 * time.Second
 	// maxDrainSteps and maxClusterInstances bound a record and a read.
 	maxDrainSteps       = 32
 	maxClusterInstances = 32
@@ -251,21 +240,13 @@ func (sp *statusPublisher) poke() {
 }
 
 func (sp *statusPublisher) run(ctx context.Context) {
-	tick := time.NewTicker(statusInterval)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		case <-sp.kick:
-		}
-		wctx, cancel := context.WithTimeout(ctx, statusInterval)
-		if err := sp.write(wctx, sp.lc.State().String(), statusTTL); err != nil {
+	everyTick(ctx, statusInterval, sp.kick, func(ctx context.Context) {
+		ctx, cancel := context.WithTimeout(ctx, statusInterval)
+		defer cancel()
+		if err := sp.write(ctx, sp.lc.State().String(), statusTTL); err != nil {
 			sp.log.WithError(err).Debug("publishing the instance status")
 		}
-		cancel()
-	}
+	})
 }
 
 // stepDone records a finished drain step (called by the drain, never blocks on Redis).

@@ -30,7 +30,9 @@ func drainDemoFeature(cfg httpConfig) feature {
 	return f
 }
 
-// maxSleepJob bounds the manual sleep job (POST /admin/jobs/sleep/run).
+// maxSleepJob bounds the manual sleep job (POST /admin/jobs/sleep/run): the
+// range an operator may ask for, not a budget (the job itself is cut at
+// KUMIKO_JOBS_TIMEOUT like any other).
 const maxSleepJob = 10 * time.Minute
 
 // handleSlow is GET /api/slow?ms=N: a request that takes N ms, to watch a

@@ -83,7 +83,7 @@ func (l *ipRateLimiter) reserve(ip string, now time.Time) time.Duration {
 	l.mu.Unlock()
 	r := lim.ReserveN(now, 1)
 	if !r.OK() {
-		return time.Second
+		return time.Second // no wait would do (config validation rules it out): the shortest Retry-After
 	}
 	if d := r.DelayFrom(now); d > 0 {
 		r.CancelAt(now) // a refused request must not use up a future token

@@ -136,6 +136,22 @@ func schedule[T river.JobArgs](spec string, args func(tick time.Time, fencingTok
 	return cronJob{kind: kindOf[T](), spec: spec, args: func(tick time.Time, token int64) river.JobArgs { return args(tick, token) }}
 }
 
+// CronRun is what the args of a scheduled job carry: the tick it runs for,
+// the fencing token of the leader that enqueued it, and whether an operator
+// ran it by hand instead. ScheduledAt is unique: two leaders (or a leader and
+// its stale predecessor) can never enqueue the same tick twice. A job's args
+// embed it; it is exported because River reads the unique tag only through
+// exported embedded fields.
+type CronRun struct {
+	ScheduledAt  time.Time `json:"scheduledAt" river:"unique"`
+	FencingToken int64     `json:"fencingToken,omitempty"`
+	Manual       bool      `json:"manual,omitempty"`
+}
+
+func (CronRun) InsertOpts() river.InsertOpts {
+	return river.InsertOpts{UniqueOpts: river.UniqueOpts{ByArgs: true}}
+}
+
 // manualJob is a job an operator may run by hand; args reads the request
 // (and answers bad input with an apiError).
 type manualJob struct {

@@ -92,18 +92,11 @@ func (b *beatLoop) Start(ctx context.Context) error {
 }
 
 func (b *beatLoop) run(ctx context.Context) {
-	tick := time.NewTicker(b.interval)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		}
+	everyTick(ctx, b.interval, nil, func(ctx context.Context) {
 		if err := b.beat.beat(ctx); err != nil && ctx.Err() == nil {
 			b.log.WithError(err).Warn("heartbeat")
 		}
-	}
+	})
 }
 
 // beatScript sets a heartbeat key with its TTL (PX, so tests can run with

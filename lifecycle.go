@@ -449,7 +449,7 @@ func (lc *Lifecycle) runShutdownHooks(ctx context.Context, reserve time.Duration
 func hookDeadline(ctx context.Context, reserve time.Duration, hooksAfter int) time.Time {
 	deadline, ok := ctx.Deadline()
 	if !ok {
-		return time.Now().Add(time.Hour)
+		return time.Now().Add(hookUnbounded)
 	}
 	remaining := time.Until(deadline)
 	reserve = min(reserve, remaining/time.Duration(2*(hooksAfter+1)))

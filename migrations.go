@@ -276,24 +276,37 @@ func (a *app) schemaBaseline(ctx context.Context, p *phaseRun) error {
 	if baseline == 0 {
 		return skipPhase("KUMIKO_SCHEMA_BASELINE is not set")
 	}
-	mg, err := newMigrator(a.db, a.timeouts.phase)
+	mg, st, err := a.readSchema(ctx)
 	if err != nil {
 		return err
 	}
-	defer mg.Close()
-	st, err := mg.status()
-	if err != nil {
-		return err
-	}
+	mg.Close()
 	switch {
-	case st.Dirty:
-		return mg.dirtySchema(ctx, st.Version)
 	case st.Version == 0:
 		p.note = "fresh database: phase migrationsCheck creates the schema"
 	case st.Version < baseline:
 		return fmt.Errorf("schema version %d is older than baseline %d that this binary supports: migrate with an older release first", st.Version, baseline)
 	}
 	return nil
+}
+
+// readSchema opens a migrator and reads where the schema is, refusing a
+// dirty one with the command that mends it: how phases 8 and 9 begin. On
+// success the caller closes the migrator.
+func (a *app) readSchema(ctx context.Context) (*migrator, schemaStatus, error) {
+	mg, err := newMigrator(a.db, a.timeouts.phase)
+	if err != nil {
+		return nil, schemaStatus{}, err
+	}
+	st, err := mg.status()
+	if err == nil && st.Dirty {
+		err = mg.dirtySchema(ctx, st.Version)
+	}
+	if err != nil {
+		mg.Close()
+		return nil, schemaStatus{}, err
+	}
+	return mg, st, nil
 }
 
 // dirtySchema is the error for a schema marked dirty: a migration that an
@@ -347,18 +360,11 @@ func (mg *migrator) tryMigration(ctx context.Context, version uint) (bool, error
 // migrationsCheck is phase 9: it applies or reports pending migrations per KUMIKO_MIGRATIONS_MODE.
 func (a *app) migrationsCheck(ctx context.Context, p *phaseRun) error {
 	mode := a.cfg.Lifecycle.Migrations.Mode
-	mg, err := newMigrator(a.db, a.timeouts.phase)
+	mg, st, err := a.readSchema(ctx)
 	if err != nil {
 		return err
 	}
 	defer mg.Close()
-	st, err := mg.status()
-	if err != nil {
-		return err
-	}
-	if st.Dirty {
-		return mg.dirtySchema(ctx, st.Version)
-	}
 	if st.Version > st.Latest {
 		// A rolled-back binary during a rolling deploy: expected, and the schema
 		// must stay compatible with it (expand/contract migrations).

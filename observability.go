@@ -324,7 +324,7 @@ func setupTracing(ctx context.Context, getenv func(string) string, instanceID, v
 	if u.Port() == "" {
 		host = net.JoinHostPort(u.Hostname(), map[bool]string{true: "443", false: "80"}[u.Scheme == "https"])
 	}
-	conn, err := (&net.Dialer{Timeout: 500 * time.Millisecond}).DialContext(ctx, "tcp", host)
+	conn, err := (&net.Dialer{Timeout: otlpDialTimeout}).DialContext(ctx, "tcp", host)
 	if err != nil {
 		return noopTracing(), fmt.Errorf("OTLP endpoint %s does not answer (%w): using the noop provider", shown, err)
 	}

@@ -54,10 +54,10 @@ func ordersFeature(cfg config) feature {
 		publishes: []string{eventOrderCreated},
 		workers:   []worker{work(indexOrder), work(writeReceipt), work(writeReport)},
 		crons: []cronJob{schedule(cfg.Jobs.ReportCron, func(tick time.Time, token int64) reportArgs {
-			return reportArgs{ScheduledAt: tick, FencingToken: token}
+			return reportArgs{CronRun{ScheduledAt: tick, FencingToken: token}}
 		})},
 		manualJobs: []manualJob{byHand(func(echo.Context) (reportArgs, error) {
-			return reportArgs{ScheduledAt: time.Now().UTC(), Manual: true}, nil
+			return reportArgs{CronRun{ScheduledAt: time.Now().UTC(), Manual: true}}, nil
 		})},
 		searchIndexes: []searchIndex{{uid: ordersIndex, primaryKey: "id", searchable: []string{"customer", "items.sku"}}},
 		collectors:    []prometheus.Collector{created},

@@ -18,12 +18,7 @@ import (
 // concurrent duplicate into a 409 instead of a race; PostgreSQL's unique
 // idempotency_key column is the truth, so a lease that lapses under a holder
 // that still lives (a Redis that did not answer a renewal) costs nothing
-// but that 409.
-const (
-	idempotencyLease = 1500 * time.Millisecond
-	// Three renewals per lease: one lost or late renewal does not lapse it.
-	idempotencyRenewEvery = idempotencyLease / 3
-)
+// but that 409. The lease and its renewal are in timeouts.go.
 
 // markerLease is an idempotency marker this request holds. Its value is the
 // request's fingerprint and a random token: the fingerprint lets a

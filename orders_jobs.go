@@ -30,19 +30,10 @@ type writeReceiptArgs struct {
 
 func (writeReceiptArgs) Kind() string { return "writeReceipt" }
 
-// reportArgs is one report. ScheduledAt is unique: two leaders (or a leader
-// and its stale predecessor) can never enqueue the same cron tick twice.
-type reportArgs struct {
-	ScheduledAt  time.Time `json:"scheduledAt" river:"unique"`
-	FencingToken int64     `json:"fencingToken,omitempty"`
-	Manual       bool      `json:"manual,omitempty"`
-}
+// reportArgs is one report, on a cron tick or by hand.
+type reportArgs struct{ CronRun }
 
 func (reportArgs) Kind() string { return "report" }
-
-func (reportArgs) InsertOpts() river.InsertOpts {
-	return river.InsertOpts{UniqueOpts: river.UniqueOpts{ByArgs: true}}
-}
 
 // indexOrder puts the order into the Meilisearch index (replacing any earlier copy).
 func indexOrder(d workDeps, ctx context.Context, job *river.Job[indexOrderArgs]) error {

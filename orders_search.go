@@ -44,7 +44,7 @@ func handleSearchOrders(db *pgxpool.Pool, search meilisearch.ServiceManager, t t
 		}
 		if search != nil && q != "" {
 			// Meilisearch gets half of the request's budget: past it, SQL answers instead.
-			sctx, cancel := context.WithTimeout(ctx, t.request/2)
+			sctx, cancel := context.WithTimeout(ctx, t.search)
 			ids, err := searchOrderIDs(sctx, search, q, 50)
 			cancel()
 			if err == nil {

@@ -23,10 +23,6 @@ const (
 	outboxDeliveryLock = advisoryLockKey
 	// sequencerBatch bounds the events one sequencer step numbers.
 	sequencerBatch = 5000
-	// A sequencer step that finds the delivery lock taken tries again after
-	// sequencerRetryBase, doubling up to sequencerRetryMax.
-	sequencerRetryBase = time.Millisecond
-	sequencerRetryMax  = 10 * time.Millisecond
 )
 
 // outboxEvent is one event as delivered: its outbox id (the id SSE clients

@@ -19,28 +19,18 @@ func outboxRetentionFeature(cfg outboxConfig) feature {
 			return purgeOutbox(ctx, d, cfg.Retention)
 		})},
 		crons: []cronJob{schedule(cfg.PurgeCron, func(tick time.Time, token int64) purgeOutboxArgs {
-			return purgeOutboxArgs{ScheduledAt: tick, FencingToken: token}
+			return purgeOutboxArgs{CronRun{ScheduledAt: tick, FencingToken: token}}
 		})},
 		manualJobs: []manualJob{byHand(func(echo.Context) (purgeOutboxArgs, error) {
-			return purgeOutboxArgs{ScheduledAt: time.Now().UTC(), Manual: true}, nil
+			return purgeOutboxArgs{CronRun{ScheduledAt: time.Now().UTC(), Manual: true}}, nil
 		})},
 	}
 }
 
-// purgeOutboxArgs is one run of the outbox retention. ScheduledAt is unique:
-// two leaders (or a leader and its stale predecessor) can never enqueue the
-// same cron tick twice.
-type purgeOutboxArgs struct {
-	ScheduledAt  time.Time `json:"scheduledAt" river:"unique"`
-	FencingToken int64     `json:"fencingToken,omitempty"`
-	Manual       bool      `json:"manual,omitempty"`
-}
+// purgeOutboxArgs is one run of the outbox retention, on a cron tick or by hand.
+type purgeOutboxArgs struct{ CronRun }
 
 func (purgeOutboxArgs) Kind() string { return "purgeOutbox" }
-
-func (purgeOutboxArgs) InsertOpts() river.InsertOpts {
-	return river.InsertOpts{UniqueOpts: river.UniqueOpts{ByArgs: true}}
-}
 
 // outboxPurgeBatch bounds one DELETE of the retention job: each batch is its
 // own short transaction, so a large backlog never locks the table for long.

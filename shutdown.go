@@ -338,7 +338,7 @@ func (a *app) awaitInFlight(drainCtx context.Context) error {
 	shutdown := make(chan error, 1)
 	go func() { shutdown <- a.api.srv.Shutdown(drainCtx) }()
 	silent := a.api.silent.closeSilent(silentConnGrace)
-	tick := time.NewTicker(silentConnGrace / 4)
+	tick := time.NewTicker(silentConnPoll)
 	defer tick.Stop()
 	var err error
 	for waiting := true; waiting; {
@@ -367,9 +367,6 @@ func (a *app) awaitInFlight(drainCtx context.Context) error {
 
 // drainRejectRetryAfter is KUMIKO_DRAIN_REJECT's mode that keeps the port open.
 const drainRejectRetryAfter = "retry-after"
-
-// rejectPoll is how often the retry-after mode looks for the last request in flight.
-const rejectPoll = 10 * time.Millisecond
 
 // flushTelemetry sends the spans recorded so far; the exporter stays open
 // for the spans of the steps still to come.

@@ -164,7 +164,7 @@ func (h *sseHub) run(ctx context.Context) {
 // event is readable by then; the brief retries are a guard, and what a read
 // still misses, the next tick finds.
 func (h *sseHub) catchUp(ctx context.Context, target int64) {
-	wait := time.Millisecond
+	wait := catchUpRetryFirst
 	for {
 		n, err := h.readAfterCursor(ctx)
 		if err != nil {
@@ -176,7 +176,7 @@ func (h *sseHub) catchUp(ctx context.Context, target int64) {
 		switch {
 		case n == hubPage:
 			continue
-		case h.position() >= target || wait > 128*time.Millisecond:
+		case h.position() >= target || wait > catchUpRetryLast:
 			return
 		}
 		if sleepCtx(ctx, wait) != nil {
@@ -227,20 +227,9 @@ func (h *sseHub) publish(frames []feedFrame) {
 	}
 }
 
-// wakePerStream is the spacing of wakes per open stream. A stream writes at
-// most once per wake, so the spacing bounds the fan-out's writes to 200,000
-// a second however fast events come: events in between ride in the same
-// write. 10,000 streams are woken at most every 50 ms, 100 every 0.5 ms. A
-// write measured 10-20 µs of CPU at 10,000 streams on 2 cores, most of it
-// in write(2): past a few thousand streams, the writes a wake asks for
-// take longer than the gap, and streams write as often as they get through.
-const (
-	wakePerStream = 5 * time.Microsecond
-	maxWakeGap    = 100 * time.Millisecond
-)
-
 // wakeStreams wakes the waiting streams now, or schedules a wake when the
-// last one was too recent. feedMu is held.
+// last one was too recent (wakePerStream per open stream, at most
+// maxWakeGap: timeouts.go). feedMu is held.
 func (h *sseHub) wakeStreams() {
 	gap := min(maxWakeGap, time.Duration(h.streamsNow.Load())*wakePerStream)
 	if since := time.Since(h.lastWake); since < gap {

@@ -207,3 +207,21 @@ func (s *startStop) stopped(finished chan struct{}) {
 		s.started = false
 	}
 }
+
+// everyTick is the loop of a component that acts on a ticker: fn runs every
+// interval, and at once whenever kick delivers (nil: never), until ctx ends.
+// fn gets ctx and runs in the loop's goroutine, so one run never overlaps the
+// next.
+func everyTick(ctx context.Context, interval time.Duration, kick <-chan struct{}, fn func(context.Context)) {
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		case <-kick:
+		}
+		fn(ctx)
+	}
+}

@@ -5,11 +5,15 @@ import (
 	"time"
 )
 
-// timeouts is every deadline of the process, decided here and nowhere else:
-// the configured ones are derived in newTimeouts, the fixed ones are the
-// constants below it; boot.go, shutdown.go and the components are given
-// theirs. Intervals and TTLs (how often a loop runs, how long a Redis key
-// lives) are not deadlines: they stay with the component they pace.
+// timeouts is every time budget of the process — its deadlines, and how
+// often a loop runs or how long a record lives — decided here and nowhere
+// else: the configured ones are derived in newTimeouts, the fixed ones are
+// the constants below it; boot.go, shutdown.go and the components are given
+// theirs. A setting a component uses as it is (a poll interval, a heartbeat
+// TTL) is declared once, in config.go's table. What stays in the other files
+// is no budget: unit conversions, rounding for a log line or a header, cron
+// arithmetic, the admission window (a parameter of its algorithm), the range
+// a client may ask for.
 type timeouts struct {
 	// The boot.
 	boot           time.Duration // process start → ready: KUMIKO_STARTUP_TIMEOUT
@@ -59,6 +63,9 @@ type timeouts struct {
 	// dependency is a 503 with Retry-After, not a request that waits.
 	request time.Duration
 	// demo:begin (the orders demo's deadlines; scripts/new-service.sh --bare removes this block)
+	// search: Meilisearch's share of a search request's budget (half of
+	// request); past it, SQL answers instead.
+	search time.Duration
 	// marker: the idempotency marker in Redis only speeds up what
 	// PostgreSQL's unique key decides, so it gives way after this share.
 	marker time.Duration
@@ -119,6 +126,83 @@ const cancelGrace = time.Second
 // hangs must not hold wake-ups back for longer than a hub's own poll would.
 const wakeTimeout = time.Second
 
+// silentConnPoll is how often the drain's in-flight wait looks for silent
+// connections: each is closed at most this late.
+const silentConnPoll = silentConnGrace / 4
+
+// rejectPoll is how often the retry-after mode looks for the last request in flight.
+const rejectPoll = 10 * time.Millisecond
+
+// hookUnbounded is a shutdown hook's deadline when the drain has none (only
+// tests run the hooks so): long enough never to cut one.
+const hookUnbounded = time.Hour
+
+// otlpDialTimeout bounds the boot's one connection to the OTLP endpoint
+// (phase 2): an endpoint that does not answer within it is reported, and the
+// boot goes on with the noop provider.
+const otlpDialTimeout = 500 * time.Millisecond
+
+// healthcheckTimeout bounds the healthcheck command's one request, as long
+// as the Dockerfile's HEALTHCHECK --timeout.
+const healthcheckTimeout = 3 * time.Second
+
+// How often the loops run, how long their records live, and how their
+// retries are paced.
+const (
+	// statusInterval is how often an instance rewrites its dashboard status
+	// record besides on every state change and drain step (the rate of the
+	// requests-per-second figure), and how long one write may take.
+	statusInterval = time.Second
+	// statusTTL drops the record of an instance that died without a drain.
+	statusTTL = 5 * time.Second
+	// stoppedTTL keeps a cleanly stopped instance on the page for a while.
+	stoppedTTL = 30 * time.Second
+	// clusterCacheTTL is how long one Redis read of the workers and the
+	// leader answers every /api/instance request: a storm of dashboard polls
+	// is then at most one SCAN per TTL, not one per request.
+	clusterCacheTTL = time.Second
+
+	// cronRecheck is the longest the scheduler sleeps without reading the
+	// wall clock. Ticks are wall-clock instants, but a timer counts elapsed
+	// time: after the wall clock steps (NTP, a resumed VM, an operator), a
+	// timer set for the old distance fires late or early by the size of the
+	// step. Waking at least this often and recomputing the wait bounds that
+	// to this.
+	cronRecheck = time.Second
+
+	// A sequencer step that finds the delivery lock taken tries again after
+	// sequencerRetryBase, doubling up to sequencerRetryMax (and for one poll
+	// interval at most).
+	sequencerRetryBase = time.Millisecond
+	sequencerRetryMax  = 10 * time.Millisecond
+
+	// The SSE hub reads again for an event a poller announced but it did not
+	// find yet after catchUpRetryFirst, doubling up to catchUpRetryLast; then
+	// the next tick finds it.
+	catchUpRetryFirst = time.Millisecond
+	catchUpRetryLast  = 128 * time.Millisecond
+
+	// wakePerStream is the spacing of the SSE hub's wakes per open stream,
+	// maxWakeGap the longest. A stream writes at most once per wake, so the
+	// spacing bounds the fan-out's writes to 200,000 a second however fast
+	// events come: events in between ride in the same write. 10,000 streams
+	// are woken at most every 50 ms, 100 every 0.5 ms. A write measured
+	// 10-20 µs of CPU at 10,000 streams on 2 cores, most of it in write(2):
+	// past a few thousand streams, the writes a wake asks for take longer
+	// than the gap, and streams write as often as they get through.
+	wakePerStream = 5 * time.Microsecond
+	maxWakeGap    = 100 * time.Millisecond
+	// demo:begin (the orders demo's: new-service.sh --bare removes it)
+
+	// idempotencyLease is the TTL of an order's idempotency marker
+	// (orders_idempotency.go): its request renews it, so a holder that dies
+	// frees the key within it. Three renewals per lease: one lost or late
+	// renewal does not lapse it.
+	idempotencyLease      = 1500 * time.Millisecond
+	idempotencyRenewEvery = idempotencyLease / 3
+	// demo:end
+)
+
 func newTimeouts(c config) timeouts {
 	l := c.Lifecycle
 	releases := l.ShutdownTimeout - l.Linger - l.DrainTimeout // > 0: config validation says so
@@ -141,6 +225,7 @@ func newTimeouts(c config) timeouts {
 		poolClose:      2 * time.Second,
 		request:        c.HTTP.DependencyTimeout,
 		// demo:begin
+		search:         c.HTTP.DependencyTimeout / 2,
 		marker:         c.HTTP.DependencyTimeout / 4,
 		commitMargin:   c.HTTP.DependencyTimeout / 5,
 		orderStatement: c.HTTP.DependencyTimeout,

@@ -16,7 +16,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"flag"
 	"fmt"
@@ -33,6 +32,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/kumiko/kumiko-lifecycle-demo/scripts/internal/loadtool"
 )
 
 const body = `{"customer":"Ada Lovelace","items":[{"sku":"tea","qty":2,"priceCents":250},{"sku":"cake","qty":1,"priceCents":400}]}`
@@ -259,7 +259,7 @@ func (r *rssSampler) start() (stop func() int64) {
 		tick := time.NewTicker(100 * time.Millisecond)
 		defer tick.Stop()
 		for {
-			r.most = max(r.most, rssOf(r.pid))
+			r.most = max(r.most, loadtool.RSS(r.pid))
 			select {
 			case <-done:
 				return
@@ -270,21 +270,6 @@ func (r *rssSampler) start() (stop func() int64) {
 	return func() int64 {
 		close(done)
 		<-finished
-		return max(r.most, rssOf(r.pid))
+		return max(r.most, loadtool.RSS(r.pid))
 	}
-}
-
-// rssOf is VmRSS of pid in bytes (0 once it is gone).
-func rssOf(pid int) int64 {
-	status, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
-	if err != nil {
-		return 0
-	}
-	for line := range bytes.Lines(status) {
-		if rest, ok := bytes.CutPrefix(line, []byte("VmRSS:")); ok {
-			kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(string(rest)), " kB"), 10, 64)
-			return kb << 10
-		}
-	}
-	return 0
 }

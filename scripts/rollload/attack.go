@@ -16,6 +16,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/kumiko/kumiko-lifecycle-demo/scripts/internal/loadtool"
 )
 
 // target is one request to send, in vegeta's JSON target format (body in
@@ -112,7 +114,7 @@ func attack(args []string) error {
 		interval := time.Second / time.Duration(*rate)
 		begin := time.Now()
 		for i := 0; ; i++ {
-			if err := sleepUntil(ctx, begin.Add(time.Duration(i)*interval)); err != nil {
+			if err := loadtool.SleepUntil(ctx, begin.Add(time.Duration(i)*interval)); err != nil {
 				break
 			}
 			t := targets[i%len(targets)]
@@ -203,20 +205,4 @@ func readTargets(path string) ([]target, error) {
 		return nil, fmt.Errorf("no targets in %s", path)
 	}
 	return targets, nil
-}
-
-// sleepUntil waits for the moment or the end of ctx.
-func sleepUntil(ctx context.Context, at time.Time) error {
-	d := time.Until(at)
-	if d <= 0 {
-		return ctx.Err()
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
 }

@@ -25,6 +25,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/kumiko/kumiko-lifecycle-demo/scripts/internal/loadtool"
 )
 
 // drainRun is one drain measurement.
@@ -288,7 +290,7 @@ func (c *drainClient) run(ctx context.Context, conn net.Conn) {
 		// a refusal by the instance itself (503, 429) is tried there again.
 		host = (host + 1) % len(c.d.hosts)
 		for due := bye.Add(retry); ; {
-			if err := sleepCtx(ctx, time.Until(due)); err != nil {
+			if err := loadtool.SleepUntil(ctx, due); err != nil {
 				return
 			}
 			c.d.tries[c.d.bucket(time.Now())].Add(1)
@@ -417,20 +419,6 @@ func (c *drainClient) frames(frames []byte, now time.Time) {
 			}
 			c.seen[k/64] |= 1 << (k % 64)
 		}
-	}
-}
-
-func sleepCtx(ctx context.Context, d time.Duration) error {
-	if d <= 0 {
-		return ctx.Err()
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
 	}
 }
 

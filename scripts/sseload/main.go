@@ -31,6 +31,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/kumiko/kumiko-lifecycle-demo/scripts/internal/loadtool"
 )
 
 func main() {
@@ -72,7 +74,7 @@ func run() error {
 		return errors.New("-api and -pid are required")
 	}
 
-	rssIdle := rssKB(*pid)
+	rssIdle := loadtool.RSS(*pid)
 	r := newReceiver()
 	conns := make([]net.Conn, 0, *streams)
 	defer func() {
@@ -92,7 +94,7 @@ func run() error {
 	}
 	openTook := time.Since(openStart)
 	time.Sleep(time.Second) // let the instance settle before its memory is read
-	rssOpen := rssKB(*pid)
+	rssOpen := loadtool.RSS(*pid)
 	cpu0 := cpuSeconds(*pid)
 	lag0 := sendLag(*metricsURL)
 
@@ -123,7 +125,7 @@ func run() error {
 			lag.pct(50), lag.pct(99), lag.count)
 	}
 	fmt.Printf("memory          RSS %d MB idle, %d MB with the streams: %.1f KB per stream\n",
-		rssIdle/1024, rssOpen/1024, float64(rssOpen-rssIdle)/float64(*streams))
+		rssIdle>>20, rssOpen>>20, float64(rssOpen-rssIdle)/1024/float64(*streams))
 	fmt.Printf("CPU             %.2f s over the posting (%.0f%% of one core)\n", cpu, 100*cpu/duration.Seconds())
 	fmt.Printf("SIGTERM → exit  %s (budget: linger %s + 1 s)\n", exitTook.Round(time.Millisecond), *linger)
 	return nil
@@ -329,17 +331,6 @@ func postOrders(api string, rate int, d time.Duration, r *receiver) int {
 			}
 		})
 	}
-}
-
-func rssKB(pid int) int64 {
-	raw, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	for line := range strings.Lines(string(raw)) {
-		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
-			n, _ := strconv.ParseInt(strings.Fields(rest)[0], 10, 64)
-			return n
-		}
-	}
-	return 0
 }
 
 func cpuSeconds(pid int) float64 {

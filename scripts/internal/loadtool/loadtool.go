@@ -1,0 +1,45 @@
+// Package loadtool is what the load tools under scripts/ (rollload, sseload,
+// overload) share. The service does not import it: it stays one flat package
+// main, with its own sleepCtx.
+package loadtool
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"strconv"
+	"time"
+)
+
+// SleepUntil waits for the moment at or for the end of ctx (then ctx's error).
+func SleepUntil(ctx context.Context, at time.Time) error {
+	d := time.Until(at)
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// RSS is the resident set (VmRSS) of process pid in bytes; 0 once it is gone.
+func RSS(pid int) int64 {
+	status, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return 0
+	}
+	for line := range bytes.Lines(status) {
+		if rest, ok := bytes.CutPrefix(line, []byte("VmRSS:")); ok {
+			if f := bytes.Fields(rest); len(f) > 0 { // "  123456 kB"
+				kb, _ := strconv.ParseInt(string(f[0]), 10, 64)
+				return kb << 10
+			}
+		}
+	}
+	return 0
+}
