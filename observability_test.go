@@ -201,6 +201,15 @@ func TestMetricsLintAndValues(t *testing.T) {
 	if v := testutil.ToFloat64(s.app.metrics.startupDuration); v <= 0 {
 		t.Errorf("startup duration %v", v)
 	}
+	// The boot counted panics, connects and heartbeats only under the
+	// component table's names (a connect by a component not marked connects
+	// would have had no series at 0).
+	want := componentSeries()
+	for key := range gatherComponentSeries(t, reg) {
+		if !want[key] {
+			t.Errorf("after boot, %s belongs to no component", key)
+		}
+	}
 	// Shutdown steps too.
 	s.stop(t)
 	for _, step := range []string{"readiness", "linger", "closeListener", "sseClose", "inFlight", "outboxPoller", "jobsWorker", "redis", "db"} {
