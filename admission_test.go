@@ -205,7 +205,7 @@ func TestConcurrencyLimiterBaselineRisesSlowlyAndRecovers(t *testing.T) {
 func TestAdmissionShedsWith503AndRetryAfter(t *testing.T) {
 	m := newMetrics()
 	l := newConcurrencyLimiter(admissionConfig{min: 1, max: 1, tolerance: 1.5}, time.Now())
-	e := newEcho(newLogger(io.Discard, "json"), m, "api")
+	e := newEcho(newLogger(io.Discard, "json"), m, componentAPI)
 	called := 0
 	e.POST("/api/notes", func(c echo.Context) error { called++; return c.NoContent(http.StatusCreated) }, admitWithinLimit(l, m))
 

@@ -172,21 +172,21 @@ func (r route) methods() []string {
 // by listenHTTP itself, so a port in use is an error of the phase that asked
 // for it, not of some goroutine later.
 type httpServer struct {
-	name    string
-	srv     *http.Server
-	addr    net.Addr
-	done    chan struct{} // closed when Serve has returned
-	silent  *silentConns
-	traffic *traffic
+	component component
+	srv       *http.Server
+	addr      net.Addr
+	done      chan struct{} // closed when Serve has returned
+	silent    *silentConns
+	traffic   *traffic
 }
 
 // listenHTTP binds addr and serves h on it from one owned goroutine. A Serve
 // failure other than a normal close is reported to failed (the process then
 // shuts down: a server that cannot accept is not serving).
-func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Logger, failed func(error)) (*httpServer, error) {
+func listenHTTP(c component, addr string, h http.Handler, hc httpConfig, log *logrus.Logger, failed func(error)) (*httpServer, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return nil, fmt.Errorf("binding the %s listener: %w", name, err)
+		return nil, fmt.Errorf("binding the %s listener: %w", c, err)
 	}
 	silent := &silentConns{since: map[net.Conn]time.Time{}}
 	clients := &traffic{since: time.Now()}
@@ -197,7 +197,7 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 		}
 	}
 	s := &httpServer{
-		name: name,
+		component: c,
 		// No server-wide ReadTimeout or WriteTimeout: they would cut the event
 		// streams. Bodies get a per-request deadline (bodyReadDeadline), stream
 		// writes their own write deadline.
@@ -206,7 +206,7 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 			// A handler that must tune its socket (the event stream) finds it here.
 			ConnContext: func(ctx context.Context, c net.Conn) context.Context { return context.WithValue(ctx, connKey{}, c) },
 			// net/http's own complaints (bad handshakes, header timeouts) join the structured log.
-			ErrorLog: stdlog.New(warnWriter{log.WithField("component", name)}, "", 0)},
+			ErrorLog: stdlog.New(warnWriter{c.log(log)}, "", 0)},
 		addr:    ln.Addr(),
 		done:    make(chan struct{}),
 		silent:  silent,
@@ -215,10 +215,10 @@ func listenHTTP(name, addr string, h http.Handler, hc httpConfig, log *logrus.Lo
 	go func() {
 		defer close(s.done)
 		if err := s.srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
-			failed(fmt.Errorf("%s listener stopped serving: %w", name, err))
+			failed(fmt.Errorf("%s listener stopped serving: %w", c, err))
 		}
 	}()
-	log.WithFields(logrus.Fields{"component": name, "addr": s.addr.String()}).Info("listening")
+	c.log(log).WithField("addr", s.addr.String()).Info("listening")
 	return s, nil
 }
 
@@ -301,22 +301,22 @@ func (w warnWriter) Write(p []byte) (int, error) {
 
 // newEcho is the echo instance every listener uses: JSON errors, panics
 // answered with a 500 for that request only.
-func newEcho(log *logrus.Logger, m *metrics, component string) *echo.Echo {
+func newEcho(log *logrus.Logger, m *metrics, c component) *echo.Echo {
 	e := echo.New()
 	e.HideBanner, e.HidePort = true, true
-	e.HTTPErrorHandler = jsonErrorHandler(log.WithField("component", component))
-	e.Use(recoverPanics(log, m, component))
+	e.HTTPErrorHandler = jsonErrorHandler(c.log(log))
+	e.Use(recoverPanics(log, m, c))
 	return e
 }
 
 // recoverPanics answers a panicking handler with a 500, logged with its stack
 // and counted; the process goes on serving.
-func recoverPanics(log *logrus.Logger, m *metrics, component string) echo.MiddlewareFunc {
+func recoverPanics(log *logrus.Logger, m *metrics, c component) echo.MiddlewareFunc {
 	return middleware.RecoverWithConfig(middleware.RecoverConfig{
 		DisableStackAll: true,
-		LogErrorFunc: func(c echo.Context, err error, stack []byte) error {
-			m.panics.WithLabelValues(component).Inc()
-			log.WithFields(logrus.Fields{"component": component, "route": c.Path(), "stack": string(stack)}).WithError(err).Error("handler panicked")
+		LogErrorFunc: func(ec echo.Context, err error, stack []byte) error {
+			m.panics.WithLabelValues(c.String()).Inc()
+			c.log(log).WithFields(logrus.Fields{"route": ec.Path(), "stack": string(stack)}).WithError(err).Error("handler panicked")
 			return echo.NewHTTPError(http.StatusInternalServerError, "internal error")
 		},
 	})

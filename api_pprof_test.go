@@ -15,7 +15,7 @@ func TestPprofNeedsTheAdminToken(t *testing.T) {
 	serve := func(token string) *httptest.Server {
 		lc := readyLifecycle(t)
 		m := newMetrics()
-		e := newEcho(newLogger(io.Discard, "json"), m, "ops")
+		e := newEcho(newLogger(io.Discard, "json"), m, componentOps)
 		addOpsRoutes(e, testReadiness(t, lc, m, time.Second, time.Second), m, defaultConfig().HTTP, token)
 		srv := httptest.NewServer(e)
 		t.Cleanup(srv.Close)

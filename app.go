@@ -93,8 +93,8 @@ func (a *app) serverFailed(err error) {
 //     backoff, like any failed job (counted failed in kumiko_jobs_total).
 //
 // panicked handles a panic in a background goroutine.
-func (a *app) panicked(component string, recovered any) {
-	a.metrics.panics.WithLabelValues(component).Inc()
-	a.log.WithFields(logrus.Fields{"component": component, "panic": fmt.Sprint(recovered), "stack": string(debug.Stack())}).Error("background goroutine panicked")
-	a.stop.request(stopRequest{reason: "panic in " + component, failed: true})
+func (a *app) panicked(c component, recovered any) {
+	a.metrics.panics.WithLabelValues(c.String()).Inc()
+	c.log(a.log).WithFields(logrus.Fields{"panic": fmt.Sprint(recovered), "stack": string(debug.Stack())}).Error("background goroutine panicked")
+	a.stop.request(stopRequest{reason: "panic in " + c.String(), failed: true})
 }

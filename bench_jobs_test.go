@@ -39,7 +39,7 @@ func BenchmarkLeaderFailover(b *testing.B) {
 					} else {
 						leader.signal(syscall.SIGTERM)
 					}
-					follower.waitLog(40*time.Second, map[string]any{"component": "leader", "msg": "became leader"})
+					follower.waitLog(40*time.Second, map[string]any{"component": "leaderElection", "msg": "became leader"})
 					samples = append(samples, time.Since(start))
 					leader.wait(10 * time.Second)
 					follower.signal(syscall.SIGTERM)

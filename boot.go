@@ -122,16 +122,16 @@ func (a *app) observability(ctx context.Context, p *phaseRun) error {
 		return okResult(detail)
 	})
 
-	e := newEcho(a.log, a.metrics, "ops")
+	e := newEcho(a.log, a.metrics, componentOps)
 	addOpsRoutes(e, a.health, a.metrics, a.cfg.HTTP, a.cfg.AdminToken)
 	// The admin tree shows the boot timeline from now on; its other routes
 	// need Redis and the jobs client, and join in phase 15.
 	a.admin = &adminTree{}
-	a.admin.mount(newEcho(a.log, a.metrics, "ops"), a.cfg.AdminToken, a.timeouts.request, a.lc, adminStarting)
+	a.admin.mount(newEcho(a.log, a.metrics, componentOps), a.cfg.AdminToken, a.timeouts.request, a.lc, adminStarting)
 	mux := http.NewServeMux()
 	mux.Handle("/", e)
 	mux.Handle("/admin/", a.admin)
-	ops, err := listenHTTP("ops", a.cfg.OpsAddr, mux, a.cfg.HTTP, a.log, a.serverFailed)
+	ops, err := listenHTTP(componentOps, a.cfg.OpsAddr, mux, a.cfg.HTTP, a.log, a.serverFailed)
 	if err != nil {
 		return err
 	}
@@ -177,7 +177,7 @@ func (a *app) bootValidation(ctx context.Context, p *phaseRun) error {
 // first and the jobs worker after it. Three tries: the framework's guarantees
 // need a working poller; then the boot ends.
 func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
-	log := a.log.WithField("component", "jobs")
+	log := componentJobsWorker.log(a.log)
 	j, err := newJobs(jobsDeps{cfg: a.cfg.Jobs, softStop: a.timeouts.jobsSoftStop, instanceID: a.cfg.InstanceID,
 		features: a.features, tracer: a.tracing.tracer, metrics: a.metrics, log: log,
 		work: workDeps{db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket, masterKey: a.masterKey, log: log, call: a.timeouts.jobCall}})
@@ -186,17 +186,17 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	}
 	a.jobs = j
 	// River's soft stop, then a second for the cancelled jobs to return.
-	a.lc.RegisterShutdownHook("jobsWorker", within(a.timeouts.jobsSoftStop+a.timeouts.hookReserve, j.Stop))
+	a.lc.RegisterShutdownHook(componentJobsWorker, within(a.timeouts.jobsSoftStop+a.timeouts.hookReserve, j.Stop))
 
-	beat := a.heartbeats.RegisterHeartbeat("outbox", "outboxPoller")
+	beat := a.heartbeats.RegisterHeartbeat(componentOutboxPoller)
 	poller := newOutboxPoller(outboxPollerDeps{db: a.db, redis: a.redis, cfg: a.cfg.Outbox, beat: beat,
 		beatEvery: a.cfg.Lifecycle.Heartbeat.Interval, instanceID: a.cfg.InstanceID,
 		memberTTL: a.cfg.Lifecycle.Heartbeat.TTL, redisCall: a.timeouts.backgroundCall, insertJobs: j.insertForEvents, log: a.log, metrics: a.metrics, onPanic: a.panicked})
-	if err := a.retry(ctx, p, "outboxPoller", 3, poller.Start); err != nil {
+	if err := a.retry(ctx, p, componentOutboxPoller, 3, poller.Start); err != nil {
 		return err
 	}
 	// The batch in hand finishes, then the poller leaves the pollers (a Redis release).
-	a.lc.RegisterShutdownHook("outboxPoller", within(a.timeouts.batchFinish+a.timeouts.redisRelease, poller.Stop))
+	a.lc.RegisterShutdownHook(componentOutboxPoller, within(a.timeouts.batchFinish+a.timeouts.redisRelease, poller.Stop))
 	a.lc.OnStateChange(recordStateChanges(a.db, a.cfg.InstanceID, a.timeouts.request, a.log.WithField("component", "events")))
 	return nil
 }
@@ -205,15 +205,15 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 // and the leader election starts the cron scheduler on whichever instance
 // leads. Three tries each, then the boot ends.
 func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
-	if err := a.retry(ctx, p, "jobsWorker", 3, a.jobs.Start); err != nil {
+	if err := a.retry(ctx, p, componentJobsWorker, 3, a.jobs.Start); err != nil {
 		return err
 	}
-	jobsBeat := newBeatLoop(a.heartbeats.RegisterHeartbeat("jobs", "jobsWorker"), a.cfg.Lifecycle.Heartbeat.Interval,
-		a.log.WithField("component", "jobs"), a.panicked)
+	jobsBeat := newBeatLoop(componentJobsHeartbeat, a.heartbeats.RegisterHeartbeat(componentJobsWorker),
+		a.cfg.Lifecycle.Heartbeat.Interval, a.log, a.panicked)
 	if err := jobsBeat.Start(ctx); err != nil {
 		return err
 	}
-	a.lc.RegisterShutdownHook("jobsHeartbeat", jobsBeat.Stop)
+	a.lc.RegisterShutdownHook(componentJobsHeartbeat, jobsBeat.Stop)
 
 	le := a.cfg.Lifecycle.LeaderElection
 	if !le.Enabled {
@@ -221,14 +221,14 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 		return nil
 	}
 	sched := &scheduler{db: a.db, jobs: a.jobs, crons: cronsOf(a.features),
-		beat: a.heartbeats.RegisterHeartbeat("scheduler", ""), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
-		log: a.log.WithField("component", "scheduler")}
+		beat: a.heartbeats.RegisterHeartbeat(componentScheduler), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
+		log: componentScheduler.log(a.log)}
 	el := newElector(electorDeps{redis: a.redis, instanceID: a.cfg.InstanceID, ttl: le.LockTTL, renew: le.RenewInterval,
 		timeouts: a.timeouts, lead: sched.lead, fence: sched.fence, log: a.log, metrics: a.metrics, onPanic: a.panicked})
-	if err := a.retry(ctx, p, "leaderElection", 3, el.Start); err != nil {
+	if err := a.retry(ctx, p, componentLeaderElection, 3, el.Start); err != nil {
 		return err
 	}
-	a.lc.RegisterShutdownHook("leaderElection", el.Stop)
+	a.lc.RegisterShutdownHook(componentLeaderElection, el.Stop)
 	a.health.RegisterReadinessCheck("schedulerLeader", false, el.readinessCheck)
 	return nil
 }
@@ -244,21 +244,21 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	a.sse = hub
-	a.lc.RegisterShutdownHook("sseHub", hub.Stop)
+	a.lc.RegisterShutdownHook(componentSSEHub, hub.Stop)
 
-	e := newEcho(a.log, a.metrics, "api")
+	e := newEcho(a.log, a.metrics, componentAPI)
 	e.IPExtractor = clientIPExtractor(a.cfg.HTTP.TrustedProxies)
 	deps := routeDeps{cfg: a.cfg, timeouts: a.timeouts, lc: a.lc, db: a.db, redis: a.redis, search: a.search,
 		jobs: a.jobs, sse: hub, masterKey: a.masterKey, metrics: a.metrics, log: a.log}
 	a.admission = newAdmission(a.cfg.HTTP, a.metrics)
 	addAPIRoutes(e, a.lc, a.health, a.features, deps, a.cfg.HTTP, a.admission, &a.inFlight, &a.rejecting, a.tracing.tracer)
-	api, err := listenHTTP("api", a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP, a.log, a.serverFailed)
+	api, err := listenHTTP(componentAPI, a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP, a.log, a.serverFailed)
 	if err != nil {
 		return err
 	}
 	a.api = api
 
-	a.admin.mount(newEcho(a.log, a.metrics, "ops"), a.cfg.AdminToken, a.timeouts.request, a.lc,
+	a.admin.mount(newEcho(a.log, a.metrics, componentOps), a.cfg.AdminToken, a.timeouts.request, a.lc,
 		adminRoutes(a.redis, a.jobs, a.features, deps))
 	return nil
 }
@@ -271,7 +271,7 @@ func (a *app) ready(ctx context.Context, p *phaseRun) error {
 	if err := a.health.Start(ctx); err != nil {
 		return err
 	}
-	a.lc.RegisterShutdownHook("readinessChecks", a.health.Stop)
+	a.lc.RegisterShutdownHook(componentReadinessChecks, a.health.Stop)
 	if err := a.health.WaitFirstResults(ctx); err != nil {
 		return err
 	}

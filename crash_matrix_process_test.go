@@ -228,7 +228,7 @@ func (m *crashMatrix) run(t *testing.T, kp killPoint) {
 		v.t = t
 		// It is the only candidate: it leads, or will once the lock of the
 		// victim before it has expired.
-		v.waitLog(10*time.Second, map[string]any{"component": "leader", "msg": "became leader"})
+		v.waitLog(10*time.Second, map[string]any{"component": "leaderElection", "msg": "became leader"})
 		moved = &resumed{head: m.headEvent(t)}
 		moved.browser = openSSEHeader(t, http.DefaultClient, v.addr("api"), fmt.Sprint(moved.head))
 		if kp.at == "inFlight" {

@@ -215,10 +215,10 @@ type statusPublisher struct {
 	lastAt      time.Time
 }
 
-func newStatusPublisher(rdb *redis.Client, instanceID string, lc *Lifecycle, m *metrics, log *logrus.Entry,
-	onPanic func(component string, recovered any)) *statusPublisher {
-	return &statusPublisher{startStop: newStartStop("clusterStatus", stopNow, onPanic), rdb: rdb, instanceID: instanceID,
-		lc: lc, requests: m.httpRequests, jobs: m.jobs, log: log, kick: make(chan struct{}, 1)}
+func newStatusPublisher(rdb *redis.Client, instanceID string, lc *Lifecycle, m *metrics, log *logrus.Logger,
+	onPanic func(c component, recovered any)) *statusPublisher {
+	return &statusPublisher{startStop: newStartStop(componentClusterStatus, stopNow, onPanic), rdb: rdb, instanceID: instanceID,
+		lc: lc, requests: m.httpRequests, jobs: m.jobs, log: componentClusterStatus.log(log), kick: make(chan struct{}, 1)}
 }
 
 // Start starts the loop, which writes the first record at once; Stop ends

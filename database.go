@@ -44,7 +44,7 @@ func (a *app) dbConnect(ctx context.Context, p *phaseRun) error {
 		}
 		return probe.warm(ctx)
 	}
-	if err := a.connectWithRetry(ctx, p, "postgres", connect); err != nil {
+	if err := a.connectWithRetry(ctx, p, componentDB, connect); err != nil {
 		probe.close()
 		created.Close()
 		return err
@@ -52,11 +52,11 @@ func (a *app) dbConnect(ctx context.Context, p *phaseRun) error {
 	a.db = created
 	// Close waits for acquired connections to be released, so in-flight
 	// queries finish first; a hung server holds the drain no longer than poolClose.
-	a.lc.RegisterShutdownHook("db", within(a.timeouts.poolClose, func(ctx context.Context) error {
+	a.lc.RegisterShutdownHook(componentDB, within(a.timeouts.poolClose, func(ctx context.Context) error {
 		probe.close()
 		return runBounded(ctx, func() error { created.Close(); return nil })
 	}))
-	a.health.RegisterReadinessCheck("db", true, probe.check)
+	a.health.RegisterReadinessCheck(componentDB.String(), true, probe.check)
 	return nil
 }
 

@@ -99,8 +99,8 @@ type readiness struct {
 	started time.Time // when the loops began: a check with no result is stale from here
 }
 
-func newReadiness(lc *Lifecycle, m *metrics, probeTimeout, interval time.Duration, onPanic func(string, any)) *readiness {
-	return &readiness{startStop: newStartStop("readiness", stopNow, onPanic), lc: lc, metrics: m,
+func newReadiness(lc *Lifecycle, m *metrics, probeTimeout, interval time.Duration, onPanic func(component, any)) *readiness {
+	return &readiness{startStop: newStartStop(componentReadinessChecks, stopNow, onPanic), lc: lc, metrics: m,
 		probeTimeout: probeTimeout, interval: interval, staleAfter: 2*interval + probeTimeout}
 }
 

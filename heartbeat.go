@@ -55,16 +55,22 @@ func newHeartbeats(rdb *redis.Client, instanceID string, ttl, timeout time.Durat
 	return hs
 }
 
-// RegisterHeartbeat returns the handle a worker beats with, and makes a stale
-// beat fail readiness under check (e.g. "outboxPoller"); check "" is for a
-// worker that only beats while it has work (the scheduler, on the leader).
-func (hs *heartbeats) RegisterHeartbeat(worker, check string) *heartbeat {
-	h := &heartbeat{worker: worker, key: heartbeatKeyPrefix + worker + ":" + hs.instanceID, owner: hs}
+// RegisterHeartbeat returns the handle c beats with, under its heartbeat
+// worker name (components.go). When c's beat gates, a stale beat fails
+// readiness under the check named after c; one that does not is a worker
+// that only beats while it has work (the scheduler, on the leader). A
+// component that writes no heartbeat is a programming error: it panics.
+func (hs *heartbeats) RegisterHeartbeat(c component) *heartbeat {
+	spec := c.spec()
+	if spec.heartbeat == "" {
+		panic(fmt.Sprintf("heartbeats: %s writes no heartbeat (components.go)", c))
+	}
+	h := &heartbeat{worker: spec.heartbeat, key: heartbeatKeyPrefix + spec.heartbeat + ":" + hs.instanceID, owner: hs}
 	hs.mu.Lock()
 	hs.handles = append(hs.handles, h)
 	hs.mu.Unlock()
-	if check != "" {
-		hs.health.RegisterReadinessCheck(check, true, h.readinessCheck)
+	if spec.gates {
+		hs.health.RegisterReadinessCheck(c.String(), true, h.readinessCheck)
 	}
 	return h
 }
@@ -79,10 +85,9 @@ type beatLoop struct {
 	log      *logrus.Entry
 }
 
-// newBeatLoop names the loop after its worker ("jobs" → "jobsHeartbeat"), also
-// for the panics metric.
-func newBeatLoop(beat *heartbeat, interval time.Duration, log *logrus.Entry, onPanic func(string, any)) *beatLoop {
-	return &beatLoop{startStop: newStartStop(beat.worker+"Heartbeat", stopNow, onPanic), beat: beat, interval: interval, log: log}
+// newBeatLoop is the loop c, which beats for another component's heartbeat.
+func newBeatLoop(c component, beat *heartbeat, interval time.Duration, log *logrus.Logger, onPanic func(component, any)) *beatLoop {
+	return &beatLoop{startStop: newStartStop(c, stopNow, onPanic), beat: beat, interval: interval, log: c.log(log)}
 }
 
 // Start writes the first beat synchronously — readiness must not see a

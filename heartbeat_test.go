@@ -22,7 +22,7 @@ func TestHeartbeatLifecycle(t *testing.T) {
 	m := newMetrics()
 	rd := testReadiness(t, lc, m, time.Second, time.Hour)
 	hs := newHeartbeats(rdb, "inst-1", 300*time.Millisecond, time.Second, m, rd)
-	hb := hs.RegisterHeartbeat("outbox", "outboxPoller")
+	hb := hs.RegisterHeartbeat(componentOutboxPoller)
 
 	rd.refresh(ctx)
 	if rep, ok := rd.report(); ok || rep.Checks["outboxPoller"].OK {
@@ -77,7 +77,7 @@ func TestHeartbeatWithoutRedisIsDegradedNotStale(t *testing.T) {
 	rd := testReadiness(t, readyLifecycle(t), m, time.Second, time.Hour)
 	hs := newHeartbeats(rdb, "inst-1", time.Minute, 100*time.Millisecond, m, rd)
 	hs.born = time.Now().Add(-time.Hour) // the last beat that reached Redis was an hour ago
-	hb := hs.RegisterHeartbeat("outbox", "outboxPoller")
+	hb := hs.RegisterHeartbeat(componentOutboxPoller)
 	hb.last.Store(1)
 	hb.tried.Store(1)
 

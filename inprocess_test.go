@@ -152,10 +152,10 @@ func (s *inProcess) stop(t *testing.T) error {
 // A panic in a background goroutine is logged with its stack, counted, and
 // starts a graceful shutdown that ends in exit 1. The goroutine is started the
 // way every background component starts its own: through startStop, with the
-// app's panicked as onPanic.
+// app's panicked as onPanic; it says it is a heartbeat loop.
 func TestBackgroundPanicDrainsAndFails(t *testing.T) {
 	s := startInProcess(t, fastEnv(t))
-	w := newStartStop("testWorker", stopNow, s.app.panicked)
+	w := newStartStop(componentJobsHeartbeat, stopNow, s.app.panicked)
 	t.Cleanup(func() { w.Stop(context.Background()) })
 	if err := w.start(context.Background(), nil, func(context.Context) { panic("worker state corrupted") }); err != nil {
 		t.Fatal(err)
@@ -163,13 +163,13 @@ func TestBackgroundPanicDrainsAndFails(t *testing.T) {
 	select {
 	case err := <-s.done:
 		s.done <- err
-		if err == nil || !strings.Contains(err.Error(), "panic in testWorker") {
+		if err == nil || !strings.Contains(err.Error(), "panic in jobsHeartbeat") {
 			t.Fatalf("serve returned %v, want a failure naming the panic", err)
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("a background panic did not shut the service down")
 	}
-	l := s.logs.find(map[string]any{"msg": "background goroutine panicked"})
+	l := s.logs.find(map[string]any{"msg": "background goroutine panicked", "component": "jobsHeartbeat"})
 	if l == nil || !strings.Contains(l["stack"].(string), "TestBackgroundPanicDrainsAndFails") {
 		t.Fatalf("panic log line without stack: %v", l)
 	}
@@ -180,7 +180,7 @@ func TestBackgroundPanicDrainsAndFails(t *testing.T) {
 
 // A panic in an HTTP handler is a 500 for that request only.
 func TestHandlerPanicIsA500(t *testing.T) {
-	e := newEcho(newLogger(&syncBuffer{}, "json"), newMetrics(), "api")
+	e := newEcho(newLogger(&syncBuffer{}, "json"), newMetrics(), componentAPI)
 	e.GET("/api/boom", func(c echo.Context) error { panic("handler bug") })
 	rec := httptest.NewRecorder()
 	e.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/api/boom", nil))
@@ -204,11 +204,13 @@ func TestHangingHookPastShutdownBudgetFails(t *testing.T) {
 	s := startInProcess(t, env)
 	hang := make(chan struct{})
 	defer close(hang)
-	s.app.lc.RegisterShutdownHook("stuckWorker", func(context.Context) error { <-hang; return nil })
+	// fastEnv configures no Meilisearch, so this is the only search hook: a
+	// client whose close hangs.
+	s.app.lc.RegisterShutdownHook(componentSearch, func(context.Context) error { <-hang; return nil })
 
 	start := time.Now()
 	err := s.stop(t)
-	if err == nil || !strings.Contains(err.Error(), "stuckWorker") {
+	if err == nil || !strings.Contains(err.Error(), "shutdown hook search") {
 		t.Fatalf("serve returned %v, want a failure naming the hung hook; the log:\n%s", err, s.logs)
 	}
 	if took := time.Since(start); took > budget+time.Second {

@@ -41,7 +41,7 @@ func startAs(t *testing.T, env map[string]string, id string) *proc {
 // leaderOf waits for a "became leader" line; it returns when it was logged.
 func becameLeader(p *proc, timeout time.Duration) time.Time {
 	p.t.Helper()
-	l := p.waitLog(timeout, map[string]any{"component": "leader", "msg": "became leader"})
+	l := p.waitLog(timeout, map[string]any{"component": "leaderElection", "msg": "became leader"})
 	at, _ := time.Parse(time.RFC3339Nano, l["time"].(string))
 	return at
 }
@@ -113,7 +113,7 @@ func TestProcessLeaderKill9Failover(t *testing.T) {
 
 	killed := time.Now()
 	a.cmd.Process.Kill()
-	b.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "became leader"})
+	b.waitLog(5*time.Second, map[string]any{"component": "leaderElection", "msg": "became leader"})
 	failover := time.Since(killed)
 	t.Logf("failover after kill -9: %s", failover)
 	if failover > time.Second+250*time.Millisecond+time.Second { // TTL + renew + margin for a loaded machine
@@ -138,7 +138,7 @@ func TestProcessLeaderSIGTERMHandsOver(t *testing.T) {
 
 	stopped := time.Now()
 	a.signal(syscall.SIGTERM)
-	b.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "became leader"})
+	b.waitLog(5*time.Second, map[string]any{"component": "leaderElection", "msg": "became leader"})
 	handover := time.Since(stopped)
 	t.Logf("hand-over after SIGTERM: %s", handover)
 	if handover > 1500*time.Millisecond {
@@ -147,7 +147,7 @@ func TestProcessLeaderSIGTERMHandsOver(t *testing.T) {
 	if code := a.wait(10 * time.Second); code != 0 {
 		t.Fatalf("old leader exited %d", code)
 	}
-	a.waitLog(time.Second, map[string]any{"component": "leader", "msg": "stopped leading", "reason": "shutdown"})
+	a.waitLog(time.Second, map[string]any{"component": "leaderElection", "msg": "stopped leading", "reason": "shutdown"})
 }
 
 // 4. Split brain: the leader is frozen past its TTL, the follower takes over,
@@ -162,13 +162,13 @@ func TestProcessSplitBrainIsFenced(t *testing.T) {
 	pool := sharedPool(t, env)
 
 	a.signal(syscall.SIGSTOP)
-	b.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "became leader"})
+	b.waitLog(5*time.Second, map[string]any{"component": "leaderElection", "msg": "became leader"})
 	// b enqueues two ticks while a sleeps through them (a is stopped: every new tick is b's).
 	before := len(ticks(t, pool))
 	waitFor(t, 10*time.Second, "two ticks from b while a is stopped", func() bool { return len(ticks(t, pool)) >= before+2 })
 	a.signal(syscall.SIGCONT)
 
-	stale := a.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "stopped leading"})
+	stale := a.waitLog(5*time.Second, map[string]any{"component": "leaderElection", "msg": "stopped leading"})
 	// "fenced": it woke, tried a tick with its old token and the database refused it.
 	if r := stale["reason"]; r != "renew deadline passed" && r != "lock lost" && r != "fenced" {
 		t.Errorf("the stale leader stopped for %v", r)
@@ -245,7 +245,7 @@ func TestProcessFlushallFencesAndTicksResume(t *testing.T) {
 	if err := rdb.FlushAll(context.Background()).Err(); err != nil {
 		t.Fatal(err)
 	}
-	a.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "fenced"})
+	a.waitLog(5*time.Second, map[string]any{"component": "leaderElection", "msg": "fenced"})
 	var resumed time.Time
 	waitFor(t, 4*time.Second, "a tick enqueued after FLUSHALL (2 × lock TTL)", func() bool {
 		pool.QueryRow(context.Background(), `SELECT coalesce(min(created_at), 'epoch') FROM river_job
@@ -282,8 +282,8 @@ func TestProcessFencedLeaderStepsDownAndReacquires(t *testing.T) {
 	if err := pool.QueryRow(context.Background(), `UPDATE scheduler_fence SET token = $1 RETURNING now()`, fence).Scan(&raised); err != nil {
 		t.Fatal(err)
 	}
-	a.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "fenced"})
-	a.waitLog(5*time.Second, map[string]any{"component": "leader", "msg": "stopped leading", "reason": "fenced"})
+	a.waitLog(5*time.Second, map[string]any{"component": "leaderElection", "msg": "fenced"})
+	a.waitLog(5*time.Second, map[string]any{"component": "leaderElection", "msg": "stopped leading", "reason": "fenced"})
 	waitFor(t, 5*time.Second, "a tick with a token above the fence", func() bool {
 		var n int
 		pool.QueryRow(context.Background(), `SELECT count(*) FROM river_job WHERE kind = 'purgeOutbox'

@@ -78,14 +78,14 @@ type electorDeps struct {
 	fence      func(ctx context.Context) (int64, error)
 	log        *logrus.Logger
 	metrics    *metrics
-	onPanic    func(component string, recovered any)
+	onPanic    func(c component, recovered any)
 }
 
 func newElector(d electorDeps) *elector {
-	return &elector{startStop: newStartStop("leader", stopSoft, d.onPanic),
+	return &elector{startStop: newStartStop(componentLeaderElection, stopSoft, d.onPanic),
 		rdb: d.redis, instanceID: d.instanceID, ttl: d.ttl, renew: d.renew, lead: d.lead, fence: d.fence,
 		call: d.timeouts.backgroundCall, release: d.timeouts.redisRelease,
-		log: d.log.WithField("component", "leader"), metrics: d.metrics}
+		log: componentLeaderElection.log(d.log), metrics: d.metrics}
 }
 
 // Stop ends leadership and waits (startStop); a lock it could not release is

@@ -133,9 +133,9 @@ func (lc *Lifecycle) moveTo(to State) {
 func (lc *Lifecycle) notify(l stateListener, from, to State) {
 	defer func() {
 		if r := recover(); r != nil {
-			lc.metrics.panics.WithLabelValues("stateObserver").Inc()
-			lc.log.WithFields(logrus.Fields{"panic": fmt.Sprint(r), "stack": string(debug.Stack()), "from": from.String(), "to": to.String()}).
-				Error("state-change observer panicked")
+			lc.metrics.panics.WithLabelValues(componentStateObserver.String()).Inc()
+			lc.log.WithFields(logrus.Fields{"component": componentStateObserver.String(), "panic": fmt.Sprint(r),
+				"stack": string(debug.Stack()), "from": from.String(), "to": to.String()}).Error("state-change observer panicked")
 		}
 	}()
 	l.fn(from, to)
@@ -399,16 +399,17 @@ func (lc *Lifecycle) Timeline() []phaseRecord {
 // Shutdown hooks
 
 type shutdownHook struct {
-	name string
+	name string // the component's: the drain step and kumiko_shutdown_step_duration_seconds{step}
 	fn   func(context.Context) error
 }
 
-// RegisterShutdownHook registers the release of something just acquired. Hooks
-// run last-registered-first, so teardown is the boot in reverse by construction.
-func (lc *Lifecycle) RegisterShutdownHook(name string, fn func(context.Context) error) {
+// RegisterShutdownHook registers the release of component c, just acquired.
+// Hooks run last-registered-first, so teardown is the boot in reverse by
+// construction.
+func (lc *Lifecycle) RegisterShutdownHook(c component, fn func(context.Context) error) {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
-	lc.hooks = append(lc.hooks, shutdownHook{name: name, fn: fn})
+	lc.hooks = append(lc.hooks, shutdownHook{name: c.String(), fn: fn})
 }
 
 // runShutdownHooks runs every registered hook, LIFO, each bounded by its slice of

@@ -112,7 +112,7 @@ func TestProcessDBDownAtBoot(t *testing.T) {
 	}
 
 	var delays []float64
-	for _, l := range p.logsMatching(map[string]any{"msg": "connect failed", "target": "postgres"}) {
+	for _, l := range p.logsMatching(map[string]any{"msg": "connect failed", "target": "db"}) {
 		delays = append(delays, l["retry_in_ms"].(float64))
 	}
 	if len(delays) < 4 {

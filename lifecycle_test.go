@@ -130,20 +130,20 @@ func TestShutdownHooksRunLIFOAndASlowHookDoesNotBlockTheRest(t *testing.T) {
 	lc := newTestLifecycle()
 	var mu sync.Mutex
 	var ran []string
-	hook := func(name string, fn func(context.Context) error) {
-		lc.RegisterShutdownHook(name, func(ctx context.Context) error {
+	hook := func(c component, fn func(context.Context) error) {
+		lc.RegisterShutdownHook(c, func(ctx context.Context) error {
 			mu.Lock()
-			ran = append(ran, name)
+			ran = append(ran, c.String())
 			mu.Unlock()
 			return fn(ctx)
 		})
 	}
 	release := make(chan struct{})
 	defer close(release)
-	hook("db", func(context.Context) error { return nil })
-	hook("redis", func(context.Context) error { return errors.New("connection reset") })
-	hook("jobsWorker", func(context.Context) error { <-release; return nil }) // hangs, ignoring ctx
-	hook("outboxPoller", func(context.Context) error { return nil })
+	hook(componentDB, func(context.Context) error { return nil })
+	hook(componentRedis, func(context.Context) error { return errors.New("connection reset") })
+	hook(componentJobsWorker, func(context.Context) error { <-release; return nil }) // hangs, ignoring ctx
+	hook(componentOutboxPoller, func(context.Context) error { return nil })
 
 	ctx, cancel := context.WithTimeout(context.Background(), 400*time.Millisecond)
 	defer cancel()

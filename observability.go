@@ -228,30 +228,24 @@ func newMetrics() *metrics {
 
 // Label values known before anything happens. A labelled counter has no
 // series until its first increment, so increase(...) cannot see that first
-// one (increase needs two samples): every series listed here starts at 0.
-var (
-	// panicComponents: the onPanic callbacks (app.go), the state-change
-	// observers (lifecycle.go) and the two HTTP servers' recover middleware.
-	panicComponents  = []string{"api", "ops", "sse", "outboxPoller", "leader", "jobsHeartbeat", "clusterStatus", "stateObserver"}
-	connectTargets   = []string{"postgres", "redis", "outboxPoller", "jobsWorker", "leaderElection"}
-	heartbeatWorkers = []string{"outbox", "jobs", "scheduler"}
-)
-
+// one (increase needs two samples): every series named here starts at 0.
+// The components come from their table (components.go), so a new component
+// has its series without anyone remembering to list it.
 func (m *metrics) initKnownLabels() {
-	for _, c := range panicComponents {
-		m.panics.WithLabelValues(c)
-	}
 	for from := range stateNames {
 		for to := from + 1; to < len(stateNames); to++ { // transitions only go forward
 			m.stateChanges.WithLabelValues(stateNames[from], stateNames[to])
 		}
 	}
-	for _, r := range []string{"ok", "failed"} {
-		for _, t := range connectTargets {
-			m.connectAttempts.WithLabelValues(t, r)
-		}
-		for _, w := range heartbeatWorkers {
-			m.heartbeatWritten.WithLabelValues(w, r)
+	for _, spec := range components {
+		m.panics.WithLabelValues(spec.name)
+		for _, r := range []string{"ok", "failed"} {
+			if spec.connects {
+				m.connectAttempts.WithLabelValues(spec.name, r)
+			}
+			if spec.heartbeat != "" {
+				m.heartbeatWritten.WithLabelValues(spec.heartbeat, r)
+			}
 		}
 	}
 }

@@ -201,6 +201,15 @@ func TestMetricsLintAndValues(t *testing.T) {
 	if v := testutil.ToFloat64(s.app.metrics.startupDuration); v <= 0 {
 		t.Errorf("startup duration %v", v)
 	}
+	// The boot counted panics, connects and heartbeats only under the
+	// component table's names (a connect by a component not marked connects
+	// would have had no series at 0).
+	want := componentSeries()
+	for key := range gatherComponentSeries(t, reg) {
+		if !want[key] {
+			t.Errorf("after boot, %s belongs to no component", key)
+		}
+	}
 	// Shutdown steps too.
 	s.stop(t)
 	for _, step := range []string{"readiness", "linger", "closeListener", "sseClose", "inFlight", "outboxPoller", "jobsWorker", "redis", "db"} {
@@ -233,10 +242,9 @@ func TestAlertRulesUseRealMetrics(t *testing.T) {
 	}
 	m := newMetrics()
 	// Children of vector metrics appear in Gather once they have a value.
-	m.panics.WithLabelValues("x")
 	m.state.WithLabelValues("ready")
 	m.readinessOK.WithLabelValues("db")
-	newHeartbeats(nil, "x", time.Second, time.Second, m, testReadiness(t, newTestLifecycle(), m, time.Second, time.Second)).RegisterHeartbeat("outbox", "").last.Store(1)
+	newHeartbeats(nil, "x", time.Second, time.Second, m, testReadiness(t, newTestLifecycle(), m, time.Second, time.Second)).RegisterHeartbeat(componentScheduler).last.Store(1)
 	families, _ := m.registry.Gather()
 	known := map[string]bool{}
 	for _, f := range families {
@@ -271,9 +279,10 @@ func TestAlertRulesUseRealMetrics(t *testing.T) {
 // labels are known at 0, so increase(...) alerts see the first event.
 func TestProcessLabelledCountersStartAtZero(t *testing.T) {
 	want := []string{`kumiko_lifecycle_state_changes_total{from="ready",to="draining"} 0`,
-		`kumiko_jobs_total{kind="sleep",result="interrupted"} 0`, `kumiko_worker_heartbeats_total{result="failed",worker="scheduler"} 0`}
-	for _, c := range panicComponents {
-		want = append(want, `kumiko_panics_total{component="`+c+`"} 0`)
+		`kumiko_jobs_total{kind="sleep",result="interrupted"} 0`, `kumiko_worker_heartbeats_total{result="failed",worker="scheduler"} 0`,
+		`kumiko_connect_attempts_total{result="failed",target="leaderElection"} 0`}
+	for c := range numComponents {
+		want = append(want, `kumiko_panics_total{component="`+c.String()+`"} 0`)
 	}
 	assertMetricsAfterBoot(t, want)
 }

@@ -72,7 +72,7 @@ func handOver(t *testing.T, n int, tweak func(env map[string]string)) drainHando
 	sent := time.Now()
 	a.signal(syscall.SIGTERM)
 	var h drainHandover
-	closed := a.waitLog(20*time.Second, map[string]any{"component": "sse", "msg": "event streams closed"})
+	closed := a.waitLog(20*time.Second, map[string]any{"component": "sseHub", "msg": "event streams closed"})
 	if closed["streams"] != float64(n) || closed["forced"] != float64(0) {
 		t.Fatalf("sseClose: %v; want %d streams asked, none forced", closed, n)
 	}

@@ -101,12 +101,12 @@ type outboxPollerDeps struct {
 	insertJobs func(ctx context.Context, tx pgx.Tx, events []outboxEvent) error // in the delivery transaction
 	log        *logrus.Logger
 	metrics    *metrics
-	onPanic    func(component string, recovered any)
+	onPanic    func(c component, recovered any)
 }
 
 func newOutboxPoller(d outboxPollerDeps) *outboxPoller {
-	log := d.log.WithField("component", "outboxPoller")
-	return &outboxPoller{startStop: newStartStop("outboxPoller", stopSoft, d.onPanic),
+	log := componentOutboxPoller.log(d.log)
+	return &outboxPoller{startStop: newStartStop(componentOutboxPoller, stopSoft, d.onPanic),
 		db: d.db, rdb: d.redis, cfg: d.cfg, beat: d.beat, beatInt: d.beatEvery, alsoInTx: d.insertJobs,
 		share: newOutboxShare(d.redis, d.instanceID, d.memberTTL, d.redisCall, log),
 		log:   log, metrics: d.metrics,

@@ -79,11 +79,11 @@ func (f *outboxFixture) pollerOn(t testing.TB, name string, db *pgxpool.Pool) *o
 	t.Helper()
 	m := newMetrics()
 	rd := testReadiness(t, readyLifecycle(t), m, time.Second, time.Hour)
-	beat := newHeartbeats(f.rdb, name, 10*time.Second, time.Second, m, rd).RegisterHeartbeat("outbox", "outboxPoller")
+	beat := newHeartbeats(f.rdb, name, 10*time.Second, time.Second, m, rd).RegisterHeartbeat(componentOutboxPoller)
 	p := newOutboxPoller(outboxPollerDeps{db: db, redis: f.rdb, cfg: f.cfg, beat: beat, beatEvery: cmp.Or(f.beatEvery, time.Second),
 		instanceID: name, memberTTL: 10 * time.Second, redisCall: time.Second,
 		insertJobs: f.alsoInTx, log: newLogger(io.Discard, "json"), metrics: m,
-		onPanic: func(_ string, r any) { t.Errorf("poller panicked: %v", r) }})
+		onPanic: func(_ component, r any) { t.Errorf("poller panicked: %v", r) }})
 	t.Cleanup(func() { p.Stop(context.Background()) })
 	return p
 }

@@ -49,32 +49,32 @@ func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
 	// one package-wide logger; route it through ours so those lines are
 	// structured and scrubbed too. One process has one app, so setting it here
 	// is safe; in a test running two apps in one process the last one wins.
-	redis.SetLogger(redisLogger{log: a.log.WithField("component", "redis")})
+	redis.SetLogger(redisLogger{log: componentRedis.log(a.log)})
 	client := redis.NewClient(opts)
 	ping := func(ctx context.Context) error { return client.Ping(ctx).Err() }
-	if err := a.connectWithRetry(ctx, p, "redis", ping); err != nil {
+	if err := a.connectWithRetry(ctx, p, componentRedis, ping); err != nil {
 		client.Close()
 		return err
 	}
 	a.redis = client
-	a.lc.RegisterShutdownHook("redis", func(context.Context) error { return client.Close() })
+	a.lc.RegisterShutdownHook(componentRedis, func(context.Context) error { return client.Close() })
 	// Redis is shown, never gating: every instance shares it, and the core
 	// path works without it (health.go).
-	a.health.RegisterReadinessCheck("redis", false, func(ctx context.Context) checkResult {
+	a.health.RegisterReadinessCheck(componentRedis.String(), false, func(ctx context.Context) checkResult {
 		return timedCheck(ctx, ping)
 	})
 	// The dashboard's status record; its hook runs after the heartbeats' and before the client's.
-	a.status = newStatusPublisher(client, a.cfg.InstanceID, a.lc, a.metrics, a.log.WithField("component", "dashboard"), a.panicked)
+	a.status = newStatusPublisher(client, a.cfg.InstanceID, a.lc, a.metrics, a.log, a.panicked)
 	if err := a.status.Start(ctx); err != nil {
 		return err
 	}
 	// Both cleanups are best effort, each bounded on its own: the record and
 	// the heartbeat keys expire by themselves when Redis does not answer.
-	a.lc.RegisterShutdownHook("clusterStatus", bestEffort(within(a.timeouts.redisRelease, a.status.Stop)))
+	a.lc.RegisterShutdownHook(componentClusterStatus, bestEffort(within(a.timeouts.redisRelease, a.status.Stop)))
 	// Heartbeat keys live in Redis. Their hook is registered after the client's,
 	// so LIFO deletes them after the workers stop and before the client closes.
 	a.heartbeats = newHeartbeats(client, a.cfg.InstanceID, a.cfg.Lifecycle.Heartbeat.TTL, a.timeouts.backgroundCall, a.metrics, a.health)
-	a.lc.RegisterShutdownHook("heartbeats", bestEffort(within(a.timeouts.redisRelease, a.heartbeats.clear)))
+	a.lc.RegisterShutdownHook(componentHeartbeats, bestEffort(within(a.timeouts.redisRelease, a.heartbeats.clear)))
 	return nil
 }
 

@@ -22,26 +22,27 @@ func backoffDelay(base, max time.Duration, n int) time.Duration {
 // connectWithRetry calls connect until it succeeds or ctx ends. ctx is the
 // phase's window (KUMIKO_CONNECT_MAX_WAIT, cut short by the boot budget or a
 // shutdown request).
-func (a *app) connectWithRetry(ctx context.Context, p *phaseRun, target string, connect func(context.Context) error) error {
+func (a *app) connectWithRetry(ctx context.Context, p *phaseRun, target component, connect func(context.Context) error) error {
 	return a.retry(ctx, p, target, 0, connect)
 }
 
 // retry calls fn until it succeeds, ctx ends, or maxAttempts (0: no limit)
 // have failed, backing off between attempts. Every failed attempt is logged
 // with the delay before the next, and the final error names the attempts and
-// the last error.
-func (a *app) retry(ctx context.Context, p *phaseRun, target string, maxAttempts int, fn func(context.Context) error) error {
+// the last error. target must be marked connects in components.go, so that
+// its kumiko_connect_attempts_total series exist from the start.
+func (a *app) retry(ctx context.Context, p *phaseRun, target component, maxAttempts int, fn func(context.Context) error) error {
 	start := time.Now()
-	log := a.log.WithFields(logrus.Fields{"component": "lifecycle", "phase": p.name, "target": target})
+	log := a.log.WithFields(logrus.Fields{"component": "lifecycle", "phase": p.name, "target": target.String()})
 	for attempt := 1; ; attempt++ {
 		actx, cancel := context.WithTimeout(ctx, a.timeouts.connectAttempt)
 		err := fn(actx)
 		cancel()
 		if err == nil {
-			a.metrics.connectAttempts.WithLabelValues(target, "ok").Inc()
+			a.metrics.connectAttempts.WithLabelValues(target.String(), "ok").Inc()
 			return nil
 		}
-		a.metrics.connectAttempts.WithLabelValues(target, "failed").Inc()
+		a.metrics.connectAttempts.WithLabelValues(target.String(), "failed").Inc()
 		if attempt == maxAttempts {
 			return fmt.Errorf("gave up on %s after %d attempts in %s: last error: %w",
 				target, attempt, time.Since(start).Round(time.Millisecond), err)

@@ -13,18 +13,18 @@ import (
 // readiness check is shown but never fails readiness.
 func (a *app) searchAdapter(ctx context.Context, p *phaseRun) error {
 	if a.cfg.Search.URL == "" {
-		a.health.RegisterSkipped("search", "MEILI_URL is not set")
+		a.health.RegisterSkipped(componentSearch.String(), "MEILI_URL is not set")
 		return skipPhase("MEILI_URL is not set")
 	}
 	client := meilisearch.New(a.cfg.Search.URL, meilisearch.WithAPIKey(a.cfg.Search.APIKey))
 	a.search = client
-	a.lc.RegisterShutdownHook("search", func(context.Context) error { client.Close(); return nil })
+	a.lc.RegisterShutdownHook(componentSearch, func(context.Context) error { client.Close(); return nil })
 	// Meilisearch's errors repeat the request URL with its query and user:
 	// scrubbed here, they reach neither the phase note (/admin/lifecycle) nor
 	// the ops readiness body, which the log's redact hook does not cover.
 	scrub := redactHook{secrets: connPasswords(a.cfg.Search.URL)}
 	healthy := func(ctx context.Context) error { return scrub.err(searchHealthy(ctx, client)) }
-	a.health.RegisterReadinessCheck("search", false, func(ctx context.Context) checkResult {
+	a.health.RegisterReadinessCheck(componentSearch.String(), false, func(ctx context.Context) checkResult {
 		return timedCheck(ctx, healthy)
 	})
 	if err := healthy(ctx); err != nil {

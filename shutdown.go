@@ -306,7 +306,7 @@ func (a *app) closeAPIListener(context.Context) error {
 func (a *app) closeStreams(drainCtx, ctx context.Context) error {
 	r, err := a.sse.closeStreams(drainCtx, ctx, a.timeouts.sseSpread, a.timeouts.sseSpreadStep)
 	// streams_open is kumiko_sse_streams now: 0 unless a handler outlived its force-close.
-	entry := a.log.WithFields(logrus.Fields{"component": "sse", "streams": r.asked, "forced": r.forced,
+	entry := componentSSEHub.log(a.log).WithFields(logrus.Fields{"streams": r.asked, "forced": r.forced,
 		"streams_open": a.sse.openStreams(), "spread_ms": r.window.Milliseconds()})
 	if r.forced > 0 {
 		entry.WithField("drain_timeout_ms", a.timeouts.drain.Milliseconds()).Warn("drain timeout: force-closed event streams that did not end")

@@ -105,12 +105,12 @@ type sseHubDeps struct {
 	poll    time.Duration // the catch-up from Postgres, for wake-ups Redis lost
 	log     *logrus.Logger
 	metrics *metrics
-	onPanic func(component string, recovered any)
+	onPanic func(c component, recovered any)
 }
 
 func newSSEHub(d sseHubDeps) *sseHub {
-	return &sseHub{startStop: newStartStop("sse", stopNow, d.onPanic),
-		db: d.db, rdb: d.redis, cfg: d.cfg, poll: d.poll, log: d.log.WithField("component", "sse"), metrics: d.metrics,
+	return &sseHub{startStop: newStartStop(componentSSEHub, stopNow, d.onPanic),
+		db: d.db, rdb: d.redis, cfg: d.cfg, poll: d.poll, log: componentSSEHub.log(d.log), metrics: d.metrics,
 		handlers: map[*sseStream]struct{}{}, subscribed: map[*sseStream]struct{}{}, perIP: map[string]uint{},
 		replaying: make(chan struct{}, max(1, d.db.Config().MaxConns/4)), wake: make(chan struct{})}
 }

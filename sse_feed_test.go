@@ -20,7 +20,7 @@ func TestSSEFeedSharesFramesAndDropsLaggards(t *testing.T) {
 	}
 	defer pool.Close()
 	h := newSSEHub(sseHubDeps{db: pool, cfg: defaultConfig().SSE, poll: time.Second, log: newLogger(io.Discard, "json"),
-		metrics: newMetrics(), onPanic: func(string, any) {}})
+		metrics: newMetrics(), onPanic: func(component, any) {}})
 	open := func() *sseStream {
 		s, _, err := h.open(context.Background(), "127.0.0.1", nil)
 		if err != nil {

@@ -118,7 +118,7 @@ func TestProcessStalledStreamsDrain(t *testing.T) {
 		t.Errorf("the drain took %s, the whole shutdown budget %s", took, budget)
 	}
 
-	closed := p.waitLog(time.Second, map[string]any{"component": "sse", "msg": "drain timeout: force-closed event streams that did not end"})
+	closed := p.waitLog(time.Second, map[string]any{"component": "sseHub", "msg": "drain timeout: force-closed event streams that did not end"})
 	if closed["streams_open"] != float64(0) || closed["forced"] != float64(readers) {
 		t.Errorf("after the sseClose step: %v; want forced=%d streams_open=0", closed, readers)
 	}
@@ -389,7 +389,7 @@ func TestInProcessStreamsDrainUnderLoad(t *testing.T) {
 	if err := s.stop(t); err != nil {
 		t.Fatalf("serve returned %v, want a clean drain; logs:\n%s", err, s.logs.String())
 	}
-	closed := s.logs.find(map[string]any{"component": "sse", "forced": 4})
+	closed := s.logs.find(map[string]any{"component": "sseHub", "forced": 4})
 	if closed == nil || closed["streams_open"] != float64(0) {
 		t.Errorf("sseClose summary %v; want 4 stalled streams force-closed and none left open", closed)
 	}

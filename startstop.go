@@ -29,9 +29,9 @@ import (
 //     a later Stop waits for it again and Start refuses until it has returned.
 //     During a shutdown nothing more is waited for: the process exits soon.
 type startStop struct {
-	component string
+	component component
 	mode      stopMode
-	onPanic   func(component string, recovered any)
+	onPanic   func(c component, recovered any)
 
 	mu       sync.Mutex
 	started  bool                    // from a successful Start until a Stop has seen every goroutine return
@@ -62,8 +62,8 @@ var errStopped = errors.New("component stopped")
 // hard stop and hardStopGrace.
 var errStillRunning = errors.New("goroutines still running after the hard stop")
 
-func newStartStop(component string, mode stopMode, onPanic func(component string, recovered any)) *startStop {
-	return &startStop{component: component, mode: mode, onPanic: onPanic}
+func newStartStop(c component, mode stopMode, onPanic func(c component, recovered any)) *startStop {
+	return &startStop{component: c, mode: mode, onPanic: onPanic}
 }
 
 // start is the body of a component's Start: prepare (may be nil) runs with

@@ -9,14 +9,17 @@ import (
 )
 
 // recordPanics returns an onPanic that records what it is given, and the record.
-func recordPanics() (func(string, any), chan string) {
+func recordPanics() (func(component, any), chan string) {
 	got := make(chan string, 8)
-	return func(component string, recovered any) { got <- component + ": " + recovered.(string) }, got
+	return func(c component, recovered any) { got <- c.String() + ": " + recovered.(string) }, got
 }
 
-func noPanic(t *testing.T) func(string, any) {
-	return func(c string, r any) { t.Errorf("%s panicked: %v", c, r) }
+func noPanic(t *testing.T) func(component, any) {
+	return func(c component, r any) { t.Errorf("%s panicked: %v", c, r) }
 }
+
+// w is the component the tests' startStops carry: any one does.
+const w = componentOutboxPoller
 
 // stopWithin runs Stop in a goroutine, so a Stop that does not return fails
 // the test instead of hanging it.
@@ -40,7 +43,7 @@ func (s *startStop) activeCount() int {
 }
 
 func TestStartStopSecondStartIsANoOp(t *testing.T) {
-	s := newStartStop("w", stopNow, noPanic(t))
+	s := newStartStop(w, stopNow, noPanic(t))
 	var prepared, ran atomic.Int32
 	start := func() error {
 		return s.start(context.Background(), func(context.Context) error { prepared.Add(1); return nil },
@@ -61,7 +64,7 @@ func TestStartStopSecondStartIsANoOp(t *testing.T) {
 }
 
 func TestStartStopStopBeforeStartAndTwice(t *testing.T) {
-	s := newStartStop("w", stopSoft, noPanic(t))
+	s := newStartStop(w, stopSoft, noPanic(t))
 	untilStopped := func(context.Context) { <-s.stopping() }
 	steps := []struct {
 		what string
@@ -82,7 +85,7 @@ func TestStartStopStopBeforeStartAndTwice(t *testing.T) {
 }
 
 func TestStartStopPrepareErrorStartsNothing(t *testing.T) {
-	s := newStartStop("w", stopNow, noPanic(t))
+	s := newStartStop(w, stopNow, noPanic(t))
 	boom := errors.New("dependency down")
 	var ran atomic.Bool
 	err := s.start(context.Background(), func(context.Context) error { return boom }, func(context.Context) { ran.Store(true) })
@@ -108,7 +111,7 @@ func TestStartStopPrepareErrorStartsNothing(t *testing.T) {
 // still live, and Stop returns only after every one of them (run and the ones
 // it started with goOwned) has returned.
 func TestStartStopSoftStopWaitsForEveryGoroutine(t *testing.T) {
-	s := newStartStop("w", stopSoft, noPanic(t))
+	s := newStartStop(w, stopSoft, noPanic(t))
 	sawStop, release := make(chan struct{}), make(chan struct{})
 	var ctxLiveAtStop, childStopped, runReturned atomic.Bool
 	run := func(ctx context.Context) {
@@ -145,7 +148,7 @@ func TestStartStopSoftStopWaitsForEveryGoroutine(t *testing.T) {
 
 // stopNow cancels the goroutines' context at once, with errStopped as cause.
 func TestStartStopStopNowCancelsAtOnce(t *testing.T) {
-	s := newStartStop("w", stopNow, noPanic(t))
+	s := newStartStop(w, stopNow, noPanic(t))
 	cause := make(chan error, 1)
 	if err := s.start(context.Background(), nil, func(ctx context.Context) { <-ctx.Done(); cause <- context.Cause(ctx) }); err != nil {
 		t.Fatal(err)
@@ -162,7 +165,7 @@ func TestStartStopStopNowCancelsAtOnce(t *testing.T) {
 // goroutines' context (cause: ctx's cause), waits for them and returns that
 // cause.
 func TestStartStopCtxExpiryStopsHard(t *testing.T) {
-	s := newStartStop("w", stopSoft, noPanic(t))
+	s := newStartStop(w, stopSoft, noPanic(t))
 	var hardCause atomic.Value
 	if err := s.start(context.Background(), nil, func(ctx context.Context) {
 		<-ctx.Done() // ignores the soft stop: only the hard one ends it
@@ -190,7 +193,7 @@ func TestStartStopCtxExpiryStopsHard(t *testing.T) {
 // A goroutine that ignores even the hard stop is not silently left: Stop says
 // so, Start refuses while it runs, and a later Stop waits for it.
 func TestStartStopGoroutineOutlivingTheHardStop(t *testing.T) {
-	s := newStartStop("w", stopSoft, noPanic(t))
+	s := newStartStop(w, stopSoft, noPanic(t))
 	release := make(chan struct{})
 	if err := s.start(context.Background(), nil, func(context.Context) { <-release }); err != nil {
 		t.Fatal(err)
@@ -223,7 +226,7 @@ func TestStartStopPanicGoesToOnPanicOnce(t *testing.T) {
 	for _, where := range []string{"run", "child"} {
 		t.Run(where, func(t *testing.T) {
 			onPanic, got := recordPanics()
-			s := newStartStop("w", stopSoft, onPanic)
+			s := newStartStop(w, stopSoft, onPanic)
 			run := func(context.Context) { panic("bug in run") }
 			if where == "child" {
 				run = func(ctx context.Context) {
@@ -243,8 +246,8 @@ func TestStartStopPanicGoesToOnPanicOnce(t *testing.T) {
 			for p := range got {
 				all = append(all, p)
 			}
-			if len(all) != 1 || all[0] != "w: bug in "+where {
-				t.Fatalf("onPanic got %q, want once %q", all, "w: bug in "+where)
+			if want := "outboxPoller: bug in " + where; len(all) != 1 || all[0] != want {
+				t.Fatalf("onPanic got %q, want once %q", all, want)
 			}
 		})
 	}

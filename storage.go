@@ -15,7 +15,7 @@ import (
 func (a *app) fileStorage(ctx context.Context, p *phaseRun) error {
 	s := a.cfg.Storage
 	if s.Endpoint == "" {
-		a.health.RegisterSkipped("storage", "S3_ENDPOINT is not set")
+		a.health.RegisterSkipped(componentStorage.String(), "S3_ENDPOINT is not set")
 		return skipPhase("S3_ENDPOINT is not set")
 	}
 	// A transport of its own, so the drain can close its idle connections
@@ -30,8 +30,8 @@ func (a *app) fileStorage(ctx context.Context, p *phaseRun) error {
 		return fmt.Errorf("creating the S3 client for %s: %w", s.Endpoint, err)
 	}
 	a.storage = client
-	a.lc.RegisterShutdownHook("storage", func(context.Context) error { transport.CloseIdleConnections(); return nil })
-	a.health.RegisterReadinessCheck("storage", false, func(ctx context.Context) checkResult {
+	a.lc.RegisterShutdownHook(componentStorage, func(context.Context) error { transport.CloseIdleConnections(); return nil })
+	a.health.RegisterReadinessCheck(componentStorage.String(), false, func(ctx context.Context) checkResult {
 		return timedCheck(ctx, func(ctx context.Context) error { return bucketExists(ctx, client, s.Bucket) })
 	})
 	if err := ensureBucket(ctx, client, s.Bucket); err != nil {

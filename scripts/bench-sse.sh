@@ -91,7 +91,7 @@ for jitter in $JITTER; do
     -survivor-pid "${app_pids[2]}" -streams "$DRAIN_STREAMS" -rate "$DRAIN_RATE" | tee "$DIR/sseload-$jitter.out"
   wait "${app_pids[1]}" && code=0 || code=$?
   echo "app1 exit code  $code"
-  grep '"component":"sse"' "$DIR/app1-$jitter.log" | grep -E 'event streams closed|force-closed' | tail -1
+  grep '"component":"sseHub"' "$DIR/app1-$jitter.log" | grep -E 'event streams closed|force-closed' | tail -1
   grep '"step":"sseClose"' "$DIR/app1-$jitter.log" | tail -1
   echo "survivor's warnings and errors (count, message):"
   grep -v '"level":"info"' "$DIR/app2-$jitter.log" | grep -o '"msg":"[^"]*"' | sort | uniq -c || echo "  none"
