@@ -1,6 +1,6 @@
-// Package loadtool is what the load tools under scripts/ (rollload, sseload,
-// overload) share. The service does not import it: it stays one flat package
-// main, with its own sleepCtx.
+// Package loadtool is what the Go load tools under scripts/ share (each is a
+// package main of its own there). The service does not import it: it stays
+// one flat package main, with its own sleepCtx.
 package loadtool
 
 import (
