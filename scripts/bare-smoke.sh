@@ -67,7 +67,9 @@ export LB_PORT=${LB_PORT:-18380} PG_PORT=${PG_PORT:-25632} REDIS_PORT=${REDIS_PO
 export API_PORT1=${API_PORT1:-18381} API_PORT2=${API_PORT2:-18382} OPS_PORT1=${OPS_PORT1:-19391} OPS_PORT2=${OPS_PORT2:-19392}
 export DEMO_DIR=$WORK/demo BILLING_LINGER=200ms
 # Its own process group, as a terminal's foreground job: Ctrl+C reaches all of it.
-setsid bash scripts/demo.sh >"$WORK/demo.log" 2>&1 &
+# A script's background job starts with SIGINT ignored, and a shell cannot trap
+# a signal ignored on entry: env gives demo.sh back the default, as a terminal would.
+setsid env --default-signal=INT bash scripts/demo.sh >"$WORK/demo.log" 2>&1 &
 demo_pid=$!
 lb=http://127.0.0.1:$LB_PORT
 banner() { grep -q "watch a drain" "$WORK/demo.log"; } # printed once HAProxy routes to both
