@@ -137,6 +137,9 @@ func main() {
 	wg.Wait()
 	elapsed := time.Since(start)
 	maxRSS := stop()
+	// The tool's own CPU, in cores: at 1 (its core, when the benchmark pins
+	// it) it sends late and reads answers late, and the figures are its own.
+	loadCPU := cpuTime().Seconds() / elapsed.Seconds()
 
 	var created, shed, other, noAnswer, refused []outcome
 	for _, o := range outcomes {
@@ -155,9 +158,9 @@ func main() {
 	}
 	sendSeconds := min(elapsed, *duration).Seconds()
 	fmt.Printf("sent=%d rate=%.0f/s goodput=%.0f/s created=%d shed=%d other=%d no_answer=%d refused=%d "+
-		"p50_created_ms=%.1f p99_created_ms=%.1f p50_shed_ms=%.1f p99_shed_ms=%.1f max_rss_mb=%.0f\n",
+		"p50_created_ms=%.1f p99_created_ms=%.1f p50_shed_ms=%.1f p99_shed_ms=%.1f max_rss_mb=%.0f load_cpu=%.2f\n",
 		len(outcomes), float64(len(outcomes))/sendSeconds, float64(len(created))/sendSeconds, len(created), len(shed), len(other), len(noAnswer), len(refused),
-		ms(quantile(created, 0.5)), ms(quantile(created, 0.99)), ms(quantile(shed, 0.5)), ms(quantile(shed, 0.99)), float64(maxRSS)/(1<<20))
+		ms(quantile(created, 0.5)), ms(quantile(created, 0.99)), ms(quantile(shed, 0.5)), ms(quantile(shed, 0.99)), float64(maxRSS)/(1<<20), loadCPU)
 	if len(other) > 0 {
 		fmt.Printf("other statuses: %s\n", statuses(other))
 	}
@@ -230,6 +233,15 @@ func quantile(list []outcome, q float64) time.Duration {
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// cpuTime is the CPU this process has used, user and system.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
 
 func statuses(list []outcome) string {
 	count := map[int]int{}
