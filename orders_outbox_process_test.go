@@ -130,9 +130,7 @@ func TestProcessCrashedPollerBatchIsRedelivered(t *testing.T) {
 	}
 	const n = 5
 	for range n {
-		if code, _, body := post(t, api+"/api/orders", validOrder, nil); code != 201 {
-			t.Fatalf("POST: %d %v", code, body)
-		}
+		createOrder(t, api)
 	}
 	waitFor(t, 5*time.Second, "the poller to hold its batch", func() bool {
 		var holding int
@@ -211,9 +209,7 @@ func TestProcessRedisDownDeliversEachJobOnce(t *testing.T) {
 
 	redisServer.Stop()
 	for range 5 {
-		if code, _, body := post(t, api+"/api/orders", validOrder, nil); code != 201 {
-			t.Fatalf("POST with Redis down: %d %v", code, body)
-		}
+		createOrder(t, api)
 	}
 	waitFor(t, 5*time.Second, "delivery with Redis down", func() bool {
 		var pending int
@@ -221,9 +217,7 @@ func TestProcessRedisDownDeliversEachJobOnce(t *testing.T) {
 		return pending == 0
 	})
 	redisServer.Start()
-	if code, _, body := post(t, api+"/api/orders", validOrder, nil); code != 201 {
-		t.Fatalf("POST after Redis is back: %d %v", code, body)
-	}
+	createOrder(t, api)
 	waitFor(t, 5*time.Second, "the order after the outage to be delivered", func() bool {
 		var pending int
 		pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL`).Scan(&pending)
@@ -273,9 +267,7 @@ func TestProcessPoisonEventGoesDeadAlone(t *testing.T) {
 	if !goodDelivered {
 		t.Error("the event committed with the poison one was not delivered")
 	}
-	if code, _, body := post(t, api+"/api/orders", validOrder, nil); code != 201 {
-		t.Fatalf("POST: %d %v", code, body)
-	}
+	createOrder(t, api)
 	waitFor(t, 5*time.Second, "the order behind the dead event to be delivered", func() bool {
 		var pending int
 		pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL AND dead_at IS NULL`).Scan(&pending)
@@ -302,9 +294,7 @@ func TestProcessSSEFromPostgresWhileRedisIsDown(t *testing.T) {
 	defer endOutage()
 	pace(outage, 100*time.Millisecond, func() bool {
 		api := []string{apiA, apiB}[posted%2]
-		if code, _, body := post(t, api+"/api/orders", validOrder, nil); code != 201 {
-			t.Fatalf("POST to %s with Redis down: %d %v", api, code, body)
-		}
+		createOrder(t, api)
 		posted++
 		return true
 	})

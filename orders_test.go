@@ -61,6 +61,29 @@ func post(t *testing.T, url, body string, header map[string]string) (int, http.H
 	return resp.StatusCode, resp.Header, out
 }
 
+// createOrder posts validOrder until it is created, as a client that
+// honours Retry-After would, and returns the order. For tests where an order
+// is the setup, not the subject: a 503 with Retry-After stored nothing
+// (docs/overload.md), and a busy machine may answer one while the instance
+// still opens its pool's connections. Anything else fails the test.
+func createOrder(t *testing.T, api string) map[string]any {
+	t.Helper()
+	var code int
+	var hdr http.Header
+	var body map[string]any
+	created := poll(10*time.Second, 100*time.Millisecond, func() bool {
+		code, hdr, body = post(t, api+"/api/orders", validOrder, nil)
+		if code != http.StatusCreated && (code != http.StatusServiceUnavailable || hdr.Get("Retry-After") == "") {
+			t.Fatalf("POST /api/orders: %d %v", code, body)
+		}
+		return code == http.StatusCreated
+	})
+	if !created {
+		t.Fatalf("POST /api/orders: still %d after 10 s of retries: %v", code, body)
+	}
+	return body
+}
+
 // keysOf is a JSON object's keys, sorted and space-separated.
 func keysOf(m map[string]any) string {
 	keys := slices.Sorted(maps.Keys(m))
