@@ -82,7 +82,7 @@ func adminRoutes(rdb *redis.Client, j *jobs, features []feature, d routeDeps) fu
 		for _, f := range features {
 			for _, r := range f.routes {
 				if r.admin {
-					h := r.handler(d)
+					h := r.handler(d.usedBy(f))
 					for _, method := range r.methods() {
 						g.Add(method, strings.TrimPrefix(r.path, "/admin"), h)
 					}
@@ -145,7 +145,7 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 			if !r.streaming {
 				chain = append(chain, bodyReadDeadline(hc.ReadTimeout), trackInFlight(inFlight, m), traceRequests(tracer))
 			}
-			h := r.handler(d)
+			h := r.handler(d.usedBy(f))
 			for _, method := range r.methods() {
 				e.Add(method, r.path, h, chain...)
 			}

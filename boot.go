@@ -180,7 +180,8 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	log := componentJobsWorker.log(a.log)
 	j, err := newJobs(jobsDeps{cfg: a.cfg.Jobs, softStop: a.timeouts.jobsSoftStop, instanceID: a.cfg.InstanceID,
 		features: a.features, tracer: a.tracing.tracer, metrics: a.metrics, log: log,
-		work: workDeps{db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket, masterKey: a.masterKey, log: log, call: a.timeouts.jobCall}})
+		work: workDeps{log: log, call: a.timeouts.jobCall,
+			db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket, masterKey: a.masterKey}})
 	if err != nil {
 		return err
 	}
@@ -248,8 +249,8 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 
 	e := newEcho(a.log, a.metrics, componentAPI)
 	e.IPExtractor = clientIPExtractor(a.cfg.HTTP.TrustedProxies)
-	deps := routeDeps{cfg: a.cfg, timeouts: a.timeouts, lc: a.lc, db: a.db, redis: a.redis, search: a.search,
-		jobs: a.jobs, sse: hub, masterKey: a.masterKey, metrics: a.metrics, log: a.log}
+	deps := routeDeps{cfg: a.cfg, timeouts: a.timeouts, lc: a.lc, metrics: a.metrics, log: a.log,
+		db: a.db, redis: a.redis, search: a.search, masterKey: a.masterKey, sse: hub}
 	a.admission = newAdmission(a.cfg.HTTP, a.metrics)
 	addAPIRoutes(e, a.lc, a.health, a.features, deps, a.cfg.HTTP, a.admission, &a.inFlight, &a.rejecting, a.tracing.tracer)
 	api, err := listenHTTP(componentAPI, a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP, a.log, a.serverFailed)

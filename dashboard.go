@@ -370,7 +370,7 @@ func (sp *statusPublisher) write(ctx context.Context, state string, ttl time.Dur
 // instanceFeature is GET /api/instance, what the dashboard page polls: the
 // status records of every instance in the cluster.
 func instanceFeature() feature {
-	return feature{name: "dashboard", routes: []route{
+	return feature{name: "instance", uses: []dependency{usesRedis}, routes: []route{
 		{method: http.MethodGet, path: "/api/instance", handler: func(d routeDeps) echo.HandlerFunc {
 			return handleInstance(d.lc, d.redis, d.cfg.InstanceID, d.timeouts.request)
 		}},

@@ -35,7 +35,26 @@ type feature struct {
 	routes        []route
 	collectors    []prometheus.Collector // the feature's own metrics, registered in phase 5
 	requires      []setting
+	uses          []dependency // what its routes and workers are given (see dependency)
 }
+
+// dependency is one of the connections and services a feature's routes and
+// workers may be given. A feature lists the ones it uses; phases 13 and 15
+// hand it those and leave the others nil. Its wiring then says on one line
+// what it touches, and a handler or job that reaches for one it did not
+// declare fails at its first request or run, in the tests, which run every
+// route and job. The process's own config, deadlines, lifecycle, metrics and
+// log are everyone's.
+type dependency int
+
+const (
+	usesDB        dependency = iota + 1
+	usesRedis                // the Redis client (a hint: every feature must work while it is down)
+	usesSearch               // Meilisearch; nil too when not configured or not reachable at boot
+	usesStorage              // the S3 client and its bucket; nil too when not configured
+	usesMasterKey            // the key that seals and signs (secrets.go)
+	usesStreams              // the event stream hub
+)
 
 // registerFeatures is phase 5: every feature of the process, in one list.
 func registerFeatures(cfg config) []feature {
@@ -64,34 +83,74 @@ type route struct {
 	admin        bool
 }
 
-// routeDeps is what route handlers are built from, in phase 15.
+// routeDeps is what route handlers are built from, in phase 15: the
+// process's own pieces, and of the rest what the feature uses (the others nil).
 type routeDeps struct {
-	cfg       config
-	timeouts  timeouts
-	lc        *Lifecycle
-	db        *pgxpool.Pool
-	redis     *redis.Client
-	search    meilisearch.ServiceManager // nil: not configured or not reachable at boot
-	jobs      *jobs
-	sse       *sseHub
-	masterKey *masterKey
-	metrics   *metrics
-	log       *logrus.Logger
+	cfg      config
+	timeouts timeouts
+	lc       *Lifecycle
+	metrics  *metrics
+	log      *logrus.Logger
+
+	db        *pgxpool.Pool              // usesDB
+	redis     *redis.Client              // usesRedis
+	search    meilisearch.ServiceManager // usesSearch
+	masterKey *masterKey                 // usesMasterKey
+	sse       *sseHub                    // usesStreams
 }
 
-// workDeps is what job workers use, from phase 13 on; search and storage may
-// be nil (not configured).
+// usedBy is d with only what f uses of the dependencies.
+func (d routeDeps) usedBy(f feature) routeDeps {
+	given := routeDeps{cfg: d.cfg, timeouts: d.timeouts, lc: d.lc, metrics: d.metrics, log: d.log}
+	for _, u := range f.uses {
+		switch u {
+		case usesDB:
+			given.db = d.db
+		case usesRedis:
+			given.redis = d.redis
+		case usesSearch:
+			given.search = d.search
+		case usesMasterKey:
+			given.masterKey = d.masterKey
+		case usesStreams:
+			given.sse = d.sse
+		}
+	}
+	return given
+}
+
+// workDeps is what job workers use, from phase 13 on: the log and the bound
+// of an outside call, and of the rest what the feature uses (the others nil).
 type workDeps struct {
-	db        *pgxpool.Pool
-	search    meilisearch.ServiceManager
-	storage   *minio.Client
-	bucket    string
-	masterKey *masterKey
-	log       *logrus.Entry
+	log *logrus.Entry
 	// call bounds one call to a dependency outside the database (Meilisearch,
 	// S3), far below the job's timeout: a hung server fails the attempt,
 	// River retries it later, and the worker is free for the next job.
 	call time.Duration
+
+	db        *pgxpool.Pool              // usesDB
+	search    meilisearch.ServiceManager // usesSearch
+	storage   *minio.Client              // usesStorage
+	bucket    string                     // usesStorage
+	masterKey *masterKey                 // usesMasterKey
+}
+
+// usedBy is d with only what f uses of the dependencies.
+func (d workDeps) usedBy(f feature) workDeps {
+	given := workDeps{log: d.log, call: d.call}
+	for _, u := range f.uses {
+		switch u {
+		case usesDB:
+			given.db = d.db
+		case usesSearch:
+			given.search = d.search
+		case usesStorage:
+			given.storage, given.bucket = d.storage, d.bucket
+		case usesMasterKey:
+			given.masterKey = d.masterKey
+		}
+	}
+	return given
 }
 
 // external is the context of one call to a dependency outside the database.

@@ -54,7 +54,7 @@ func newJobs(d jobsDeps) (*jobs, error) {
 	j := &jobs{tracer: d.tracer, log: d.log, subscribers: map[string][]subscription{}, manual: map[string]manualJob{}}
 	for _, f := range d.features {
 		for _, w := range f.workers {
-			w.register(workers, d.work)
+			w.register(workers, d.work.usedBy(f))
 		}
 		for _, s := range f.subscriptions {
 			j.subscribers[s.event] = append(j.subscribers[s.event], s)

@@ -10,7 +10,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/labstack/echo/v4"
+	"github.com/redis/go-redis/v9"
 	"github.com/riverqueue/river"
 )
 
@@ -206,6 +208,24 @@ func TestValidateFeaturesListsEveryProblem(t *testing.T) {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("missing %q in:\n%v", want, err)
 		}
+	}
+}
+
+// A feature's routes and jobs get the connections and services it uses and
+// no others; the process's own pieces go to every feature.
+func TestFeatureIsGivenOnlyWhatItUses(t *testing.T) {
+	db, rdb, key, hub, m := &pgxpool.Pool{}, &redis.Client{}, &masterKey{}, &sseHub{}, newMetrics()
+	routes := routeDeps{cfg: config{InstanceID: "i"}, metrics: m, db: db, redis: rdb, masterKey: key, sse: hub}
+	got := routes.usedBy(feature{uses: []dependency{usesRedis, usesStreams}})
+	if got.redis != rdb || got.sse != hub || got.cfg.InstanceID != "i" || got.metrics != m {
+		t.Errorf("a feature that uses Redis and the streams lacks them or the process's own: %v %v %q %v", got.redis, got.sse, got.cfg.InstanceID, got.metrics)
+	}
+	if got.db != nil || got.masterKey != nil || got.search != nil {
+		t.Errorf("a feature that uses Redis and the streams was given more: db %v, master key %v, search %v", got.db, got.masterKey, got.search)
+	}
+	work := workDeps{call: time.Second, db: db, bucket: "files", masterKey: key}
+	if got := work.usedBy(feature{uses: []dependency{usesStorage}}); got != (workDeps{call: time.Second, bucket: "files"}) {
+		t.Errorf("the jobs of a feature that uses storage were given %+v", got)
 	}
 }
 

@@ -51,6 +51,7 @@ func ordersFeature(cfg config) feature {
 	}
 	f := feature{
 		name:      "orders",
+		uses:      []dependency{usesDB, usesRedis, usesSearch, usesStorage, usesMasterKey},
 		publishes: []string{eventOrderCreated},
 		workers:   []worker{work(indexOrder), work(writeReceipt), work(writeReport)},
 		crons: []cronJob{schedule(cfg.Jobs.ReportCron, func(tick time.Time, token int64) reportArgs {

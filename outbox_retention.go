@@ -15,6 +15,7 @@ import (
 func outboxRetentionFeature(cfg outboxConfig) feature {
 	return feature{
 		name: "outboxRetention",
+		uses: []dependency{usesDB},
 		workers: []worker{work(func(d workDeps, ctx context.Context, job *river.Job[purgeOutboxArgs]) error {
 			return purgeOutbox(ctx, d, cfg.Retention)
 		})},

@@ -319,7 +319,7 @@ func appendEvent(b []byte, ev *outboxEvent) []byte {
 // eventsFeature is GET /api/events: every delivered outbox event, streamed
 // (sse_feed.go), resumable with Last-Event-ID on any instance.
 func eventsFeature() feature {
-	return feature{name: "events", routes: []route{
+	return feature{name: "events", uses: []dependency{usesDB, usesStreams}, routes: []route{
 		{method: http.MethodGet, path: "/api/events", streaming: true, handler: func(d routeDeps) echo.HandlerFunc {
 			return handleEvents(d.sse, d.db, d.cfg.SSE, d.cfg.InstanceID, d.timeouts.request)
 		}},
