@@ -56,7 +56,7 @@ pending() { sql "SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL A
 # settle: the deliveries of one rate's orders must not run in the next one's.
 settle() { for _ in $(seq 1 300); do [ "$(pending)" = 0 ] && return; sleep 0.1; done; }
 val() { grep -o "$1=[0-9.]*" <<<"$2" | head -1 | cut -d= -f2; } # val KEY LINE
-load() { "${pin[@]}" "$DIR/overload" -url "http://127.0.0.1:$API_PORT1" -duration "$DURATION" "$@"; }
+load() { "${pin[@]}" "$DIR/overload" -url "http://127.0.0.1:$API_PORT1" -metrics "http://127.0.0.1:$OPS_PORT1/metrics" -duration "$DURATION" "$@"; }
 
 start_app 1 "$DIR/app1.log"
 wait_ready 1

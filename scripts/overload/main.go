@@ -17,6 +17,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -41,6 +42,7 @@ const body = `{"customer":"Ada Lovelace","items":[{"sku":"tea","qty":2,"priceCen
 type outcome struct {
 	key     string
 	status  int           // 0: no answer
+	code    string        // a 503's error code: "overloaded" is the limit's, others came after admission
 	sent    bool          // written to a connection (no answer then: in flight when it broke)
 	latency time.Duration // request sent → answer read
 }
@@ -51,6 +53,7 @@ func main() {
 	rate := flag.Int("rate", 0, "open loop: requests per second, whatever the answers")
 	duration := flag.Duration("duration", 10*time.Second, "how long to send")
 	pid := flag.Int("pid", 0, "sample this process's RSS while sending")
+	metricsURL := flag.String("metrics", "", "sample the concurrency limit from this /metrics while sending")
 	kill := flag.Int("kill", 0, "SIGKILL this process after -kill-after")
 	killAfter := flag.Duration("kill-after", 3*time.Second, "")
 	prefix := flag.String("prefix", "bench-"+strconv.FormatInt(time.Now().UnixNano(), 36), "Idempotency-Key prefix of this run")
@@ -87,10 +90,18 @@ func main() {
 		start := time.Now()
 		res, err := client.Do(req)
 		if err == nil {
-			_, err = io.Copy(io.Discard, res.Body)
+			var raw []byte
+			raw, err = io.ReadAll(io.LimitReader(res.Body, 4096))
 			res.Body.Close()
 			if err == nil {
 				o.status = res.StatusCode
+			}
+			if o.status == http.StatusServiceUnavailable {
+				var e struct {
+					Error struct{ Code string } `json:"error"`
+				}
+				json.Unmarshal(raw, &e)
+				o.code = e.Error.Code
 			}
 		}
 		o.latency, o.sent = time.Since(start), wrote.Load()
@@ -101,6 +112,7 @@ func main() {
 
 	rss := &rssSampler{pid: *pid}
 	stop := rss.start()
+	limits := sampleLimit(*metricsURL)
 	if *kill != 0 {
 		time.AfterFunc(*killAfter, func() {
 			mu.Lock()
@@ -137,6 +149,7 @@ func main() {
 	wg.Wait()
 	elapsed := time.Since(start)
 	maxRSS := stop()
+	limit := limits()
 	// The tool's own CPU, in cores: at 1 (its core, when the benchmark pins
 	// it) it sends late and reads answers late, and the figures are its own.
 	loadCPU := cpuTime().Seconds() / elapsed.Seconds()
@@ -164,6 +177,23 @@ func main() {
 	if len(other) > 0 {
 		fmt.Printf("other statuses: %s\n", statuses(other))
 	}
+	if len(limit) > 0 {
+		slices.Sort(limit)
+		fmt.Printf("limit_p10=%.0f limit_p50=%.0f limit_p90=%.0f (the concurrency limit, sampled every 100 ms)\n",
+			limit[len(limit)/10], limit[len(limit)/2], limit[len(limit)*9/10])
+	}
+	// The limit's 503s are refused at the door; the others were admitted and
+	// ran out of their budget on the way (waiting for the database).
+	var overloaded, late []outcome
+	for _, o := range shed {
+		if o.code == "overloaded" {
+			overloaded = append(overloaded, o)
+		} else {
+			late = append(late, o)
+		}
+	}
+	fmt.Printf("shed_by_limit=%d p99_limit_ms=%.1f shed_after_admission=%d p99_after_admission_ms=%.1f\n",
+		len(overloaded), ms(quantile(overloaded, 0.99)), len(late), ms(quantile(late, 0.99)))
 
 	if os.Getenv("DATABASE_URL") == "" {
 		return
@@ -253,6 +283,46 @@ func statuses(list []outcome) string {
 		fmt.Fprintf(&b, "%d×%d ", s, c)
 	}
 	return strings.TrimSpace(b.String())
+}
+
+// sampleLimit reads the instance's concurrency limit from its /metrics every
+// 100 ms until the returned function is called, which returns the samples.
+func sampleLimit(url string) (stop func() []float64) {
+	if url == "" {
+		return func() []float64 { return nil }
+	}
+	var samples []float64
+	done, finished := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(finished)
+		client := &http.Client{Timeout: time.Second}
+		tick := time.NewTicker(100 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			if res, err := client.Get(url); err == nil {
+				raw, _ := io.ReadAll(res.Body)
+				res.Body.Close()
+				for line := range strings.Lines(string(raw)) {
+					// The metric's namespace is the service's name: match its suffix.
+					if name, value, ok := strings.Cut(strings.TrimSpace(line), " "); ok && strings.HasSuffix(name, "_api_concurrency_limit") {
+						if v, err := strconv.ParseFloat(value, 64); err == nil {
+							samples = append(samples, v)
+						}
+					}
+				}
+			}
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	return func() []float64 {
+		close(done)
+		<-finished
+		return samples
+	}
 }
 
 // rssSampler reads a process's resident set every 100 ms and keeps the most.
