@@ -162,7 +162,8 @@ func newMetrics() *metrics {
 			Namespace: metricNamespace, Name: "worker_heartbeats_total", Help: "Heartbeats written to Redis, by worker and result.",
 		}, []string{"worker", "result"}),
 		outboxPending: prometheus.NewGauge(prometheus.GaugeOpts{
-			Namespace: metricNamespace, Name: "outbox_pending", Help: "Outbox events neither delivered nor dead.",
+			Namespace: metricNamespace, Name: "outbox_pending",
+			Help: fmt.Sprintf("Outbox events neither delivered nor dead, counted up to %d (a larger backlog reads %[1]d).", outboxPendingCountMax),
 		}),
 		outboxDelivered: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "outbox_delivered_total", Help: "Outbox events delivered by this instance.",

@@ -17,6 +17,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -475,6 +476,31 @@ func TestOutboxSharesCoverEveryPartitionOnce(t *testing.T) {
 // migration indexes (the planner matches it as text) and cuts
 // outboxPartitions partitions. The migration is found by its name: a copy
 // made without the demo numbers it differently.
+// The pending gauge counts at most outboxPendingCountMax events: every
+// poller counts once a beat, and a count of a whole backlog would cost what
+// the backlog holds.
+func TestOutboxPendingCountIsBounded(t *testing.T) {
+	f := newOutboxFixture(t)
+	p := f.poller(t, "counter")
+	f.writeEvents(t, 3)
+	if err := p.updatePending(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := testutil.ToFloat64(p.metrics.outboxPending); got != 3 {
+		t.Errorf("3 pending events read %v", got)
+	}
+	if _, err := f.db.Exec(context.Background(), `INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+		SELECT 'test', g::text, 'test.happened', '{}' FROM generate_series(1, $1) AS g`, outboxPendingCountMax); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.updatePending(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := testutil.ToFloat64(p.metrics.outboxPending); got != outboxPendingCountMax {
+		t.Errorf("%d pending events read %v; want the bound, %d", outboxPendingCountMax+3, got, outboxPendingCountMax)
+	}
+}
+
 func TestOutboxPartitionExpressionIsIndexed(t *testing.T) {
 	names, err := fs.Glob(migrationFiles, "migrations/*_outbox_partitioned_delivery.up.sql")
 	if err != nil || len(names) != 1 {
