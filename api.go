@@ -115,7 +115,7 @@ func addPprofRoutes(g *echo.Group) {
 // the page and the streams never are. Readiness here tells status only:
 // details are on the ops port.
 func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature, d routeDeps, hc httpConfig,
-	admission *concurrencyLimiter, inFlight *atomic.Int64, rejecting *atomic.Bool, tracer trace.Tracer) {
+	admission *concurrencyLimiter, backlog *backlogWatch, inFlight *atomic.Int64, rejecting *atomic.Bool, tracer trace.Tracer) {
 	m := d.metrics
 	var limit []echo.MiddlewareFunc
 	if hc.RateLimit > 0 {
@@ -143,7 +143,7 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 				chain = append(chain, admit...)
 			}
 			if !r.streaming {
-				chain = append(chain, bodyReadDeadline(hc.ReadTimeout), trackInFlight(inFlight, m), traceRequests(tracer))
+				chain = append(chain, bodyReadDeadline(hc.ReadTimeout), trackInFlight(inFlight, m), traceRequests(tracer), backlog.sayWhenDelayed())
 			}
 			h := r.handler(d.usedBy(f))
 			for _, method := range r.methods() {

@@ -57,6 +57,7 @@ type app struct {
 	search     meilisearch.ServiceManager // 11. searchAdapter
 	storage    *minio.Client              // 12. fileStorage
 	jobs       *jobs                      // 13. outboxPoller (started in 14. jobsWorker)
+	backlog    *backlogWatch              // 14. jobsWorker
 	sse        *sseHub                    // 15. apiListener
 	api        *httpServer                // 15. apiListener
 	admission  *concurrencyLimiter        // 15. apiListener; nil: admission control off

@@ -215,6 +215,13 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	a.lc.RegisterShutdownHook(componentJobsHeartbeat, jobsBeat.Stop)
+	backlog := newBacklogWatch(backlogWatchDeps{db: a.db, bound: a.cfg.Jobs.BacklogMax, interval: a.cfg.Lifecycle.Heartbeat.Interval,
+		call: a.timeouts.backgroundCall, metrics: a.metrics, log: a.log, onPanic: a.panicked})
+	if err := backlog.Start(ctx); err != nil {
+		return err
+	}
+	a.backlog = backlog
+	a.lc.RegisterShutdownHook(componentJobsBacklog, backlog.Stop)
 
 	le := a.cfg.Lifecycle.LeaderElection
 	if !le.Enabled {
@@ -252,7 +259,7 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	deps := routeDeps{cfg: a.cfg, timeouts: a.timeouts, lc: a.lc, metrics: a.metrics, log: a.log,
 		db: a.db, redis: a.redis, search: a.search, masterKey: a.masterKey, sse: hub}
 	a.admission = newAdmission(a.cfg.HTTP, a.metrics)
-	addAPIRoutes(e, a.lc, a.health, a.features, deps, a.cfg.HTTP, a.admission, &a.inFlight, &a.rejecting, a.tracing.tracer)
+	addAPIRoutes(e, a.lc, a.health, a.features, deps, a.cfg.HTTP, a.admission, a.backlog, &a.inFlight, &a.rejecting, a.tracing.tracer)
 	api, err := listenHTTP(componentAPI, a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP, a.log, a.serverFailed)
 	if err != nil {
 		return err

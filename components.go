@@ -27,6 +27,7 @@ const (
 	componentJobsWorker                       // the River client working jobs
 	componentOutboxPoller                     // the outbox poller
 	componentJobsHeartbeat                    // the loop beating for the jobs worker (River's loops are River's)
+	componentJobsBacklog                      // the loop counting the jobs that wait (backlog.go)
 	componentScheduler                        // the cron scheduler, on the leader
 	componentLeaderElection                   // the leader elector
 	componentSSEHub                           // the event stream hub
@@ -66,6 +67,7 @@ var components = [numComponents]componentSpec{
 	componentJobsWorker:      {name: "jobsWorker", heartbeat: "jobs", gates: true, connects: true},
 	componentOutboxPoller:    {name: "outboxPoller", heartbeat: "outbox", gates: true, connects: true},
 	componentJobsHeartbeat:   {name: "jobsHeartbeat"},
+	componentJobsBacklog:     {name: "jobsBacklog"},
 	componentScheduler:       {name: "scheduler", heartbeat: "scheduler"},
 	componentLeaderElection:  {name: "leaderElection", connects: true},
 	componentSSEHub:          {name: "sseHub"},

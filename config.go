@@ -79,6 +79,7 @@ type jobsConfig struct {
 	PollInterval time.Duration
 	Timeout      time.Duration
 	RescueAfter  time.Duration
+	BacklogMax   uint
 	// demo:begin (the orders demo's setting; scripts/new-service.sh --bare removes this block)
 	ReportCron string
 	// demo:end
@@ -277,6 +278,8 @@ func (c *config) settings() []configSetting {
 			doc: "a job running longer is cancelled; shorter than rescueAfter", old: "jobs.timeoutSec"},
 		{key: "jobs.rescueAfter", env: "KUMIKO_JOBS_RESCUE_AFTER", def: "1h", value: durationValue{p: &c.Jobs.RescueAfter},
 			doc: "a job still running after this belonged to a crashed worker: run it again", old: "jobs.rescueAfterSec"},
+		{key: "jobs.backlogMax", env: "KUMIKO_JOBS_BACKLOG_MAX", def: "10000", value: uintValue{p: &c.Jobs.BacklogMax, min: 1},
+			doc: "jobs waiting to be worked past which the API's answers say Follow-Up-Delayed and the log warns; the service keeps serving (backlog.go)"},
 		// demo:begin (the orders demo's setting; scripts/new-service.sh --bare removes this block)
 		{key: "jobs.reportCron", env: "KUMIKO_REPORT_CRON", def: "*/5 * * * *", value: textValue{p: &c.Jobs.ReportCron},
 			doc: "the orders demo's periodic report: 5 cron fields, 6 with seconds, or @every 10s"},

@@ -65,7 +65,7 @@ var crashBootPhases = []string{"config", "observability", "secrets", "runtimeChe
 // crashDrainSteps are shutdown.go's drain steps up to the last release hook;
 // the hooks run newest first. A clean drain of the victim is held to it.
 var crashDrainSteps = []string{"readiness", "linger", "closeListener", "sseClose", "inFlight",
-	"readinessChecks", "sseHub", "leaderElection", "jobsHeartbeat", "outboxPoller", "jobsWorker",
+	"readinessChecks", "sseHub", "leaderElection", "jobsBacklog", "jobsHeartbeat", "outboxPoller", "jobsWorker",
 	"storage", "search", "heartbeats", "clusterStatus", "redis", "db"}
 
 const (

@@ -190,7 +190,11 @@ type instanceStatus struct {
 	// JobsInterrupted counts the jobs the drain cut off and put back
 	// without spending an attempt (kumiko_jobs_total{result="interrupted"}).
 	JobsInterrupted int64 `json:"jobsInterrupted"`
-	UpdatedAt       int64 `json:"updatedAt"` // unix milliseconds
+	// JobsBacklog is the jobs that wait to be worked, as this instance last
+	// counted them (backlog.go); past JobsBacklogBound follow-up work is delayed.
+	JobsBacklog      int64 `json:"jobsBacklog"`
+	JobsBacklogBound int64 `json:"jobsBacklogBound"`
+	UpdatedAt        int64 `json:"updatedAt"` // unix milliseconds
 }
 
 // statusPublisher writes this instance's record every statusInterval, and at
@@ -202,6 +206,8 @@ type statusPublisher struct {
 	lc         *Lifecycle
 	requests   prometheus.Collector // kumiko_http_requests_total: rps is its rate
 	jobs       prometheus.Collector // kumiko_jobs_total: its interrupted jobs
+	backlog    prometheus.Gauge     // kumiko_jobs_backlog
+	bound      prometheus.Gauge     // kumiko_jobs_backlog_bound
 	log        *logrus.Entry
 
 	kick  chan struct{}
@@ -218,7 +224,7 @@ type statusPublisher struct {
 func newStatusPublisher(rdb *redis.Client, instanceID string, lc *Lifecycle, m *metrics, log *logrus.Logger,
 	onPanic func(c component, recovered any)) *statusPublisher {
 	return &statusPublisher{startStop: newStartStop(componentClusterStatus, stopNow, onPanic), rdb: rdb, instanceID: instanceID,
-		lc: lc, requests: m.httpRequests, jobs: m.jobs, log: componentClusterStatus.log(log), kick: make(chan struct{}, 1)}
+		lc: lc, requests: m.httpRequests, jobs: m.jobs, backlog: m.jobsBacklog, bound: m.jobsBacklogBound, log: componentClusterStatus.log(log), kick: make(chan struct{}, 1)}
 }
 
 // Start starts the loop, which writes the first record at once; Stop ends
@@ -318,6 +324,15 @@ func counterSum(c prometheus.Collector, name, value string) float64 {
 	return total
 }
 
+// gaugeValue is a gauge's value.
+func gaugeValue(g prometheus.Gauge) float64 {
+	var pb dto.Metric
+	if g.Write(&pb) != nil {
+		return 0
+	}
+	return pb.GetGauge().GetValue()
+}
+
 func (sp *statusPublisher) snapshot(state string) instanceStatus {
 	now := time.Now()
 	count, interrupted := sp.requestCount(), sp.interruptedJobs()
@@ -337,7 +352,8 @@ func (sp *statusPublisher) snapshot(state string) instanceStatus {
 	}
 	return instanceStatus{InstanceID: sp.instanceID, State: state, UptimeSec: int64(sp.lc.Uptime().Seconds()),
 		RPS: math.Round(sp.rps*10) / 10, Phases: phases, Drain: append([]drainStep{}, sp.drain...),
-		LingerEnded: sp.lingerEnded, JobsInterrupted: interrupted, UpdatedAt: now.UnixMilli()}
+		LingerEnded: sp.lingerEnded, JobsInterrupted: interrupted,
+		JobsBacklog: int64(gaugeValue(sp.backlog)), JobsBacklogBound: int64(gaugeValue(sp.bound)), UpdatedAt: now.UnixMilli()}
 }
 
 // statusScript writes an instance's status record (KEYS[1], ARGV[1], TTL

@@ -101,6 +101,8 @@ type metrics struct {
 	leaderFencedTotal    prometheus.Counter
 	jobs                 *prometheus.CounterVec
 	jobDuration          *prometheus.HistogramVec
+	jobsBacklog          prometheus.Gauge
+	jobsBacklogBound     prometheus.Gauge
 }
 
 func newMetrics() *metrics {
@@ -213,6 +215,12 @@ func newMetrics() *metrics {
 		jobDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: metricNamespace, Name: "job_duration_seconds", Help: "How long jobs took, by kind.", Buckets: prometheus.DefBuckets,
 		}, []string{"kind"}),
+		jobsBacklog: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: metricNamespace, Name: "jobs_backlog", Help: "Jobs waiting to be worked (available, not yet taken), counted up to twice the bound (backlog.go).",
+		}),
+		jobsBacklogBound: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: metricNamespace, Name: "jobs_backlog_bound", Help: "KUMIKO_JOBS_BACKLOG_MAX: past it, the API's answers say Follow-Up-Delayed.",
+		}),
 	}
 	m.registry.MustRegister(
 		collectors.NewGoCollector(),
@@ -222,6 +230,7 @@ func newMetrics() *metrics {
 		m.connectAttempts, m.heartbeatWritten,
 		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxWakeFailed, m.outboxSequenceFailed, m.outboxLatency,
 		m.sseStreams, m.sseDropped, m.sseSendLag, m.leader, m.leaderTransitions, m.leaderFenced, m.leaderFencedTotal, m.jobs, m.jobDuration,
+		m.jobsBacklog, m.jobsBacklogBound,
 	)
 	m.initKnownLabels()
 	return m

@@ -290,7 +290,7 @@ func TestPostgresHungRequestsAnswerAndTheDrainIsBounded(t *testing.T) {
 	if strings.Contains(p.stderr.String(), "KUMIKO_SHUTDOWN_TIMEOUT") {
 		t.Errorf("the drain ran into its budget: a release waited for the hung database")
 	}
-	for _, step := range []string{"readiness", "linger", "closeListener", "sseClose", "inFlight", "sseHub", "leaderElection",
+	for _, step := range []string{"readiness", "linger", "closeListener", "sseClose", "inFlight", "sseHub", "leaderElection", "jobsBacklog",
 		"jobsHeartbeat", "outboxPoller", "jobsWorker", "heartbeats", "clusterStatus", "redis", "db", "telemetryFlush", "opsListener"} {
 		if len(p.logsMatching(map[string]any{"msg": "lifecycle", "step": step})) != 1 {
 			t.Errorf("no step line for %s", step)

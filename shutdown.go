@@ -177,7 +177,7 @@ func (a *app) shutdown(bootErr error) error {
 //	              ├─ sseClose        ┐ KUMIKO_DRAIN_TIMEOUT: streams get `event: shutdown`, spread
 //	              ├─ inFlight        ┘ out; requests finish; what is left then is force-closed
 //	              ├─ sseHub … db     the release hooks, newest first: the boot read backwards
-//	              │                  (sseHub, leaderElection, jobsHeartbeat, outboxPoller,
+//	              │                  (sseHub, leaderElection, jobsBacklog, jobsHeartbeat, outboxPoller,
 //	              │                  jobsWorker, search, heartbeats, clusterStatus, redis, db)
 //	              ├─ telemetryFlush  the spans of boot and drain leave the process
 //	              │                  state → stopped

@@ -122,7 +122,7 @@ func TestProcessStalledStreamsDrain(t *testing.T) {
 	if closed["streams_open"] != float64(0) || closed["forced"] != float64(readers) {
 		t.Errorf("after the sseClose step: %v; want forced=%d streams_open=0", closed, readers)
 	}
-	for _, step := range []string{"readiness", "linger", "closeListener", "sseClose", "inFlight", "sseHub", "leaderElection",
+	for _, step := range []string{"readiness", "linger", "closeListener", "sseClose", "inFlight", "sseHub", "leaderElection", "jobsBacklog",
 		"jobsHeartbeat", "outboxPoller", "jobsWorker", "heartbeats", "redis", "db", "telemetryFlush", "opsListener"} {
 		lines := p.logsMatching(map[string]any{"component": "lifecycle", "step": step})
 		if len(lines) != 1 || lines[0]["level"] != "info" {
