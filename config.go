@@ -61,6 +61,9 @@ type config struct {
 type dbConfig struct {
 	StatementTimeout time.Duration
 	LockTimeout      time.Duration
+	// IdleInTransactionTimeout: no transaction of the service waits between
+	// its statements; one that does belongs to a frozen process.
+	IdleInTransactionTimeout time.Duration
 }
 
 type outboxConfig struct {
@@ -232,6 +235,8 @@ func (c *config) settings() []configSetting {
 			doc: "the server cancels any statement running longer (PostgreSQL statement_timeout)"},
 		{key: "database.lockTimeout", env: "KUMIKO_DB_LOCK_TIMEOUT", def: "10s", value: durationValue{p: &c.DB.LockTimeout},
 			doc: "a statement waiting this long for a lock fails (lock_timeout); migrations wait up to the phase timeout"},
+		{key: "database.idleInTransactionTimeout", env: "KUMIKO_DB_IDLE_IN_TRANSACTION_TIMEOUT", def: "5s", value: durationValue{p: &c.DB.IdleInTransactionTimeout},
+			doc: "the server ends a session that holds a transaction open this long between statements: a frozen or cut-off instance frees its locks (the scheduler's fence, a claimed delivery batch)"},
 		{key: "redis.url", env: "REDIS_URL", value: urlValue{p: &c.RedisURL, schemes: []string{"redis", "rediss", "unix"}},
 			doc: "redis://host:6379/0", required: true},
 		{key: "search.url", env: "MEILI_URL", value: urlValue{p: &c.Search.URL, schemes: []string{"http", "https"}},

@@ -27,7 +27,7 @@ func (a *app) dbConnect(ctx context.Context, p *phaseRun) error {
 		return fmt.Errorf("parsing DATABASE_URL: %w", err)
 	}
 	var pool atomic.Pointer[pgxpool.Pool] // set below; the hook may fire while the first ping runs
-	hardenConnConfig(poolCfg.ConnConfig, serviceName+"/"+a.cfg.InstanceID, a.timeouts.dbStatement, a.timeouts.dbLock,
+	hardenConnConfig(poolCfg.ConnConfig, serviceName+"/"+a.cfg.InstanceID, a.timeouts,
 		func() { purgePool(pool.Load()) })
 	poolCfg.AfterRelease = reusable
 	created, err := pgxpool.NewWithConfig(ctx, poolCfg) // lazy: connects on first use
@@ -64,7 +64,9 @@ func (a *app) dbConnect(ctx context.Context, p *phaseRun) error {
 // that restarts, fails over or hangs:
 //
 //   - statement_timeout and lock_timeout bound each statement on the server,
-//     where a client's deadline does not reach;
+//     where a client's deadline does not reach, and
+//     idle_in_transaction_session_timeout each pause inside a transaction: the
+//     locks of a frozen or cut-off instance are freed for the others;
 //   - a context that ends cuts the socket at once and sends a cancel
 //     request, so the server stops the query the client gave up on (pgx's
 //     default only cuts the socket: the server would go on scanning);
@@ -72,10 +74,11 @@ func (a *app) dbConnect(ctx context.Context, p *phaseRun) error {
 //     restart, 57P02 after a crash) calls serverGone, which purges the pool:
 //     every other pooled connection is just as dead, and would otherwise fail
 //     one request each.
-func hardenConnConfig(cc *pgx.ConnConfig, appName string, statement, lock time.Duration, serverGone func()) {
+func hardenConnConfig(cc *pgx.ConnConfig, appName string, t timeouts, serverGone func()) {
 	cc.RuntimeParams["application_name"] = appName
-	cc.RuntimeParams["statement_timeout"] = strconv.FormatInt(statement.Milliseconds(), 10)
-	cc.RuntimeParams["lock_timeout"] = strconv.FormatInt(lock.Milliseconds(), 10)
+	cc.RuntimeParams["statement_timeout"] = strconv.FormatInt(t.dbStatement.Milliseconds(), 10)
+	cc.RuntimeParams["lock_timeout"] = strconv.FormatInt(t.dbLock.Milliseconds(), 10)
+	cc.RuntimeParams["idle_in_transaction_session_timeout"] = strconv.FormatInt(t.dbIdleInTx.Milliseconds(), 10)
 	cc.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler { return &cancelOnServer{conn: c} }
 	closeOnFatal := cc.OnPgError
 	cc.OnPgError = func(c *pgconn.PgConn, e *pgconn.PgError) bool {

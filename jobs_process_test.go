@@ -29,6 +29,9 @@ func leaderEnv(t *testing.T) map[string]string {
 	env["KUMIKO_HEARTBEAT_TTL"] = "1s"
 	env["KUMIKO_OUTBOX_PURGE_CRON"] = "@every 1s"
 	env["KUMIKO_JOBS_POLL_INTERVAL"] = "100ms"
+	// A leader frozen inside its tick's transaction holds the fence row: the
+	// server ends that transaction after this, and the next leader goes on.
+	env["KUMIKO_DB_IDLE_IN_TRANSACTION_TIMEOUT"] = "2s"
 	return env
 }
 

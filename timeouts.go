@@ -98,6 +98,11 @@ type timeouts struct {
 	// (statement_timeout, lock_timeout), where no client deadline reaches; a
 	// migration waits for the migration lock up to the phase timeout.
 	dbStatement, dbLock time.Duration
+	// dbIdleInTx: the server ends a session idle inside a transaction this
+	// long (idle_in_transaction_session_timeout). A leader frozen between
+	// raising the fence and committing its tick would otherwise hold the
+	// fence row, and the next leader with it, until it woke.
+	dbIdleInTx time.Duration
 }
 
 // abandonGrace is how long a function whose context has ended may take to
@@ -236,5 +241,6 @@ func newTimeouts(c config) timeouts {
 		readinessProbe: l.Readiness.ProbeTimeout,
 		dbStatement:    c.DB.StatementTimeout,
 		dbLock:         c.DB.LockTimeout,
+		dbIdleInTx:     c.DB.IdleInTransactionTimeout,
 	}
 }
