@@ -116,7 +116,7 @@ func TestMigrationsWaitingInstanceFinishesTheApply(t *testing.T) {
 			direct := env["DATABASE_URL"]
 			u, _ := url.Parse(direct)
 			proxy := proxyTo(t, tp, "pg-"+sig.String(), u.Host)
-			// Slow enough that the second instance waits on the lock for seconds.
+			// Slow enough that the hold below lands mid-apply, not after it.
 			if _, err := proxy.AddToxic("latency", "latency", "downstream", 1, toxiproxy.Attributes{"latency": 10}); err != nil {
 				t.Fatal(err)
 			}
@@ -130,10 +130,22 @@ func TestMigrationsWaitingInstanceFinishesTheApply(t *testing.T) {
 				v, _ := schemaVersion(t, direct)
 				return v >= 2
 			})
+			// Hold the apply there: each migration records its version in
+			// its own transaction (TRUNCATE, then the row), which waits for
+			// this lock. However slow the machine, the first instance then
+			// still applies, holding the migration lock, while the second boots.
+			pool := sharedPool(t, map[string]string{"DATABASE_URL": direct})
+			hold, err := pool.Begin(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer hold.Rollback(context.Background())
+			if _, err := hold.Exec(context.Background(), `LOCK TABLE `+migrationsTable+` IN ACCESS SHARE MODE`); err != nil {
+				t.Fatal(err)
+			}
 			envB := maps.Clone(env)
 			envB["KUMIKO_INSTANCE_ID"] = "waiter"
 			b := startProc(t, envB)
-			pool := sharedPool(t, map[string]string{"DATABASE_URL": direct})
 			waitFor(t, 20*time.Second, "the second instance waiting on the migration lock", func() bool {
 				var waiting bool
 				pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT FROM pg_stat_activity
@@ -144,6 +156,7 @@ func TestMigrationsWaitingInstanceFinishesTheApply(t *testing.T) {
 			if code := a.wait(20 * time.Second); sig == syscall.SIGTERM && code != 0 {
 				t.Fatalf("the first instance exited %d on SIGTERM during its apply, want 0", code)
 			}
+			hold.Rollback(context.Background())
 			stoppedAt, _ := schemaVersion(t, direct)
 
 			b.waitReady()
