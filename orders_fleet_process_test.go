@@ -98,6 +98,7 @@ func TestProcessFleetFaultsThroughHAProxy(t *testing.T) {
 		return n
 	}
 	waitFor(t, 10*time.Second, "a leader", func() bool { return leaders() == 1 })
+	direct := redisClient(t, rsrv.URL) // past the proxy's toxics
 
 	faults := []struct {
 		name       string
@@ -153,11 +154,24 @@ func TestProcessFleetFaultsThroughHAProxy(t *testing.T) {
 			t.Errorf("%s: leadership was taken %d times, want at most %d", f.name, n, f.maxLeaders)
 		}
 		// Between faults: both instances back in HAProxy's pool, and a
-		// leadership lost in this fault taken again before the next one.
+		// leadership lost in this fault taken again before the next one —
+		// and renewed since this fault ended: a leader whose renewals all
+		// failed during a freeze has little of its deadline left, and would
+		// lose the lock in the next fault for what this one did.
 		for i := range apps {
 			waitReadiness(t, opsURLs[i], http.StatusOK, 10*time.Second)
 		}
 		waitFor(t, 20*time.Second, "one leader after "+f.name, func() bool { return leaders() == 1 })
+		lockTTL := func() time.Duration { return direct.PTTL(context.Background(), leaderKey).Val() }
+		since := lockTTL()
+		waitFor(t, 20*time.Second, "the leader to renew its lock after "+f.name, func() bool {
+			now := lockTTL()
+			if now > since { // the TTL went up: a renewal
+				return true
+			}
+			since = now
+			return false
+		})
 	}
 	t.Logf("each fault %s, 50 orders/s through HAProxy (check every 500 ms, fall 1), two instances:\n"+
 		"| fault | failed orders | own 503 + Retry-After, with key | same, without key | readiness not 200 | readiness p99 | leader acquisitions |\n"+
