@@ -113,7 +113,8 @@ func (a *app) observability(ctx context.Context, p *phaseRun) error {
 	a.tracing = t
 	a.lc.traceWith(t.tracer)
 
-	a.health = newReadiness(a.lc, a.metrics, a.timeouts.readinessProbe, a.cfg.Lifecycle.Readiness.CheckInterval, a.panicked)
+	a.health = newReadiness(a.lc, a.metrics, a.timeouts.readinessProbe, a.cfg.Lifecycle.Readiness.CheckInterval,
+		a.timeouts.readinessStale, a.panicked)
 	a.health.RegisterReadinessCheck("observability", false, func(context.Context) checkResult {
 		detail := map[string]any{"provider": t.provider}
 		if traceErr != nil {

@@ -90,18 +90,16 @@ type readiness struct {
 	metrics      *metrics
 	probeTimeout time.Duration // one run of one check
 	interval     time.Duration // how often each check runs
-	// staleAfter: a result older than this means the check's last run has
-	// hung past its own deadline; it then counts as failed.
-	staleAfter time.Duration
+	staleAfter   time.Duration // readinessStale (timeouts.go): an older result counts as failed
 
 	mu      sync.Mutex
 	checks  []*check
 	started time.Time // when the loops began: a check with no result is stale from here
 }
 
-func newReadiness(lc *Lifecycle, m *metrics, probeTimeout, interval time.Duration, onPanic func(component, any)) *readiness {
+func newReadiness(lc *Lifecycle, m *metrics, probeTimeout, interval, staleAfter time.Duration, onPanic func(component, any)) *readiness {
 	return &readiness{startStop: newStartStop(componentReadinessChecks, stopNow, onPanic), lc: lc, metrics: m,
-		probeTimeout: probeTimeout, interval: interval, staleAfter: 2*interval + probeTimeout}
+		probeTimeout: probeTimeout, interval: interval, staleAfter: staleAfter}
 }
 
 // RegisterReadinessCheck adds a check; phases call it right after the

@@ -22,7 +22,7 @@ func readyLifecycle(t testing.TB) *Lifecycle {
 // testReadiness is a readiness whose background loops fail the test if they panic.
 func testReadiness(t testing.TB, lc *Lifecycle, m *metrics, probeTimeout, interval time.Duration) *readiness {
 	t.Helper()
-	rd := newReadiness(lc, m, probeTimeout, interval, func(c component, r any) { t.Errorf("%s panicked: %v", c, r) })
+	rd := newReadiness(lc, m, probeTimeout, interval, 2*interval+probeTimeout, func(c component, r any) { t.Errorf("%s panicked: %v", c, r) })
 	t.Cleanup(func() { rd.Stop(context.Background()) })
 	return rd
 }

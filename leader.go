@@ -56,6 +56,7 @@ type elector struct {
 	lead       func(ctx context.Context, token int64) error
 	fence      func(ctx context.Context) (int64, error) // the token the database holds now
 	call       time.Duration                            // one Redis or database call of the election
+	retry      time.Duration                            // leaderRenewRetry: after a failed renewal
 	release    time.Duration                            // the release of the lock on shutdown
 	log        *logrus.Entry
 	metrics    *metrics
@@ -84,7 +85,7 @@ type electorDeps struct {
 func newElector(d electorDeps) *elector {
 	return &elector{startStop: newStartStop(componentLeaderElection, stopSoft, d.onPanic),
 		rdb: d.redis, instanceID: d.instanceID, ttl: d.ttl, renew: d.renew, lead: d.lead, fence: d.fence,
-		call: d.timeouts.backgroundCall, release: d.timeouts.redisRelease,
+		call: d.timeouts.backgroundCall, retry: d.timeouts.leaderRenewRetry, release: d.timeouts.redisRelease,
 		log: componentLeaderElection.log(d.log), metrics: d.metrics}
 }
 
@@ -283,7 +284,7 @@ func (e *elector) serve(ctx, calls context.Context, stopping <-chan struct{}, to
 			case calls.Err() != nil: // stopping: the next select says so
 			case err != nil:
 				log.WithError(err).Warn("renewing the leader lock")
-				renew.Reset(e.renew / 4)
+				renew.Reset(e.retry)
 			case n == 0:
 				reason = "lock lost"
 			default:

@@ -251,6 +251,15 @@ func TestTimeoutsAreDerivedFromTheConfig(t *testing.T) {
 	if got.connectAttempt != 2*time.Second {
 		t.Errorf("connectAttempt = %s, want the 2s connect window", got.connectAttempt)
 	}
+	if want := 2*l.Readiness.CheckInterval + l.Readiness.ProbeTimeout; got.readinessStale != want {
+		t.Errorf("readinessStale = %s, want two check intervals and a probe, %s", got.readinessStale, want)
+	}
+	if want := l.LeaderElection.RenewInterval / 4; got.leaderRenewRetry != want {
+		t.Errorf("leaderRenewRetry = %s, want a quarter of the renew interval, %s", got.leaderRenewRetry, want)
+	}
+	if got.dbIdleInTx != c.DB.IdleInTransactionTimeout {
+		t.Errorf("dbIdleInTx = %s, want the configured %s", got.dbIdleInTx, c.DB.IdleInTransactionTimeout)
+	}
 	if got.shutdown != l.ShutdownTimeout || got.drain != l.DrainTimeout || got.linger != l.Linger ||
 		got.boot != l.StartupTimeout || got.phase != l.PhaseTimeout || got.connect != l.ConnectMaxWait {
 		t.Errorf("newTimeouts(%+v) = %+v: a configured deadline was not passed through", l, got)

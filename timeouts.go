@@ -94,6 +94,14 @@ type timeouts struct {
 	optionalPhase time.Duration
 	// readinessProbe: one run of one readiness check (KUMIKO_READINESS_PROBE_TIMEOUT).
 	readinessProbe time.Duration
+	// readinessStale: a check result older than two check intervals and a
+	// probe means the check's last run hung past its own deadline; it then
+	// counts as failed.
+	readinessStale time.Duration
+	// leaderRenewRetry: a renewal of the leader lock that failed is tried
+	// again after a quarter of KUMIKO_LEADER_RENEW_INTERVAL, so one lost
+	// reply costs a fraction of the margin the renew deadline keeps.
+	leaderRenewRetry time.Duration
 	// dbStatement and dbLock bound every statement on the server's side
 	// (statement_timeout, lock_timeout), where no client deadline reaches; a
 	// migration waits for the migration lock up to the phase timeout.
@@ -235,12 +243,14 @@ func newTimeouts(c config) timeouts {
 		commitMargin:   c.HTTP.DependencyTimeout / 5,
 		orderStatement: c.HTTP.DependencyTimeout,
 		// demo:end
-		backgroundCall: time.Second,
-		jobCall:        min(10*time.Second, c.Jobs.Timeout/6),
-		optionalPhase:  min(l.OptionalDependencyTimeout, l.PhaseTimeout),
-		readinessProbe: l.Readiness.ProbeTimeout,
-		dbStatement:    c.DB.StatementTimeout,
-		dbLock:         c.DB.LockTimeout,
-		dbIdleInTx:     c.DB.IdleInTransactionTimeout,
+		backgroundCall:   time.Second,
+		jobCall:          min(10*time.Second, c.Jobs.Timeout/6),
+		optionalPhase:    min(l.OptionalDependencyTimeout, l.PhaseTimeout),
+		readinessProbe:   l.Readiness.ProbeTimeout,
+		readinessStale:   2*l.Readiness.CheckInterval + l.Readiness.ProbeTimeout,
+		leaderRenewRetry: l.LeaderElection.RenewInterval / 4,
+		dbStatement:      c.DB.StatementTimeout,
+		dbLock:           c.DB.LockTimeout,
+		dbIdleInTx:       c.DB.IdleInTransactionTimeout,
 	}
 }
