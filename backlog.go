@@ -58,15 +58,18 @@ func newBacklogWatch(d backlogWatchDeps) *backlogWatch {
 }
 
 // Start counts once, so the gauge and the header are true from the first
-// request on, then once an interval.
+// request on, then once an interval. A count that fails is a warning, never
+// a failed boot: the backlog is information, not a dependency.
 func (w *backlogWatch) Start(ctx context.Context) error {
-	return w.start(ctx, w.count, func(ctx context.Context) {
-		everyTick(ctx, w.interval, nil, func(ctx context.Context) {
-			if err := w.count(ctx); err != nil && ctx.Err() == nil {
-				w.log.WithError(err).Warn("counting the jobs backlog; the last count stands")
-			}
-		})
-	})
+	recount := func(ctx context.Context) {
+		if err := w.count(ctx); err != nil && ctx.Err() == nil {
+			w.log.WithError(err).Warn("counting the jobs backlog; the last count stands")
+		}
+	}
+	return w.start(ctx, func(ctx context.Context) error {
+		recount(ctx)
+		return nil
+	}, func(ctx context.Context) { everyTick(ctx, w.interval, nil, recount) })
 }
 
 // count reads the backlog, at most twice the bound, and says when it crosses
