@@ -101,22 +101,18 @@ type routeDeps struct {
 
 // usedBy is d with only what f uses of the dependencies.
 func (d routeDeps) usedBy(f feature) routeDeps {
-	given := routeDeps{cfg: d.cfg, timeouts: d.timeouts, lc: d.lc, metrics: d.metrics, log: d.log}
-	for _, u := range f.uses {
-		switch u {
-		case usesDB:
-			given.db = d.db
-		case usesRedis:
-			given.redis = d.redis
-		case usesSearch:
-			given.search = d.search
-		case usesMasterKey:
-			given.masterKey = d.masterKey
-		case usesStreams:
-			given.sse = d.sse
-		}
+	return routeDeps{cfg: d.cfg, timeouts: d.timeouts, lc: d.lc, metrics: d.metrics, log: d.log,
+		db: given(f, usesDB, d.db), redis: given(f, usesRedis, d.redis), search: given(f, usesSearch, d.search),
+		masterKey: given(f, usesMasterKey, d.masterKey), sse: given(f, usesStreams, d.sse)}
+}
+
+// given is v when f uses dep, else nothing.
+func given[T any](f feature, dep dependency, v T) T {
+	if slices.Contains(f.uses, dep) {
+		return v
 	}
-	return given
+	var none T
+	return none
 }
 
 // workDeps is what job workers use, from phase 13 on: the log and the bound
@@ -137,20 +133,9 @@ type workDeps struct {
 
 // usedBy is d with only what f uses of the dependencies.
 func (d workDeps) usedBy(f feature) workDeps {
-	given := workDeps{log: d.log, call: d.call}
-	for _, u := range f.uses {
-		switch u {
-		case usesDB:
-			given.db = d.db
-		case usesSearch:
-			given.search = d.search
-		case usesStorage:
-			given.storage, given.bucket = d.storage, d.bucket
-		case usesMasterKey:
-			given.masterKey = d.masterKey
-		}
-	}
-	return given
+	return workDeps{log: d.log, call: d.call,
+		db: given(f, usesDB, d.db), search: given(f, usesSearch, d.search), masterKey: given(f, usesMasterKey, d.masterKey),
+		storage: given(f, usesStorage, d.storage), bucket: given(f, usesStorage, d.bucket)}
 }
 
 // external is the context of one call to a dependency outside the database.
