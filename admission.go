@@ -34,12 +34,15 @@ import (
 // find more capacity, and for bursts); when it exceeds it, the limit shrinks
 // in proportion (at most by half a window). The baseline is learned only
 // from windows where the limit was really in use (at least half of it in
-// flight): at idle the latency says nothing about capacity. It moves slowly
-// (admissionBaselineWeight), so neither a noisy window nor a sustained
-// overload quickly teaches it that slow is normal, except down: a median
-// faster than the baseline by more than the tolerance means the overload
-// that raised it is over, and it follows within a few windows
-// (admissionBaselineFall). The median, not the mean: a few slow clients
+// flight): at idle the latency says nothing about capacity. And it rises
+// only from windows in which the limit refused nobody: a window with
+// refusals measures the overload (requests queueing for the CPU and the
+// pool), not the instance, and learning from it let the limit settle at
+// three times the latency of the peak rate under a sustained 3× load. It
+// rises slowly (admissionBaselineWeight), so a noisy window does not teach
+// it that slow is normal either; it falls fast: a median faster than the
+// baseline by more than the tolerance means whatever raised it is over, and
+// it follows within a few windows (admissionBaselineFall). The median, not the mean: a few slow clients
 // uploading their body must not shrink everyone's limit.
 
 const (
@@ -85,6 +88,7 @@ type concurrencyLimiter struct {
 	windowStart time.Time
 	samples     []float64 // seconds
 	peak        int       // the most in flight during the window
+	refused     int       // requests shed during the window
 }
 
 // newAdmission is the API's limiter as configured, shown in the metrics
@@ -110,6 +114,7 @@ func (l *concurrencyLimiter) acquire() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.inFlight >= int(l.limit) {
+		l.refused++
 		return false
 	}
 	l.inFlight++
@@ -128,7 +133,7 @@ func (l *concurrencyLimiter) release(latency time.Duration, now time.Time) (wind
 		return false
 	}
 	l.update()
-	l.windowStart, l.samples, l.peak = now, l.samples[:0], l.inFlight
+	l.windowStart, l.samples, l.peak, l.refused = now, l.samples[:0], l.inFlight, 0
 	return true
 }
 
@@ -144,7 +149,7 @@ func (l *concurrencyLimiter) update() {
 		l.baseline = median
 	case median*l.cfg.tolerance < l.baseline:
 		l.baseline += (median - l.baseline) * admissionBaselineFall
-	default:
+	case median < l.baseline || l.refused == 0:
 		l.baseline += (median - l.baseline) * admissionBaselineWeight
 	}
 	gradient := 1.0

@@ -164,9 +164,9 @@ func TestConcurrencyLimiterLearnsNothingAtIdle(t *testing.T) {
 	}
 }
 
-// A sustained overload teaches the baseline slowly that slow is normal, and
-// once it ends the limit grows again at once; after a long and heavy one the
-// baseline comes back down within a few windows.
+// A sustained overload does not quickly teach the baseline that slow is
+// normal, and once it ends the limit grows again at once; after a long and
+// heavy one the baseline is back near where it was within a few windows.
 func TestConcurrencyLimiterBaselineRisesSlowlyAndRecovers(t *testing.T) {
 	c := newLimiterClock(t, admissionConfig{min: 16, max: 200, tolerance: 1.5})
 	c.window(16, 10*time.Millisecond, 0, 0)
@@ -195,6 +195,27 @@ func TestConcurrencyLimiterBaselineRisesSlowlyAndRecovers(t *testing.T) {
 	}
 	if _, _, after := c.l.state(); after > 17*time.Millisecond {
 		t.Fatalf("baseline %s (from %s) after 10 windows back at 10ms: it came down too slowly", after, high)
+	}
+}
+
+// A window in which the limit refused requests measures the overload, not
+// the instance: the baseline does not rise from it, however long the
+// overload lasts; at the limit with nobody refused it rises, slowly.
+func TestConcurrencyLimiterBaselineDoesNotLearnFromRefusals(t *testing.T) {
+	c := newLimiterClock(t, admissionConfig{min: 16, max: 200, tolerance: 1.5})
+	c.window(16, 10*time.Millisecond, 0, 0)
+	for range 300 { // 30 s of windows three times slower, each refusing some
+		c.window(1000, 30*time.Millisecond, 0, 0)
+	}
+	if _, _, baseline := c.l.state(); baseline != 10*time.Millisecond {
+		t.Fatalf("baseline %s after 300 windows that refused requests, want the 10ms it had", baseline)
+	}
+	for range 100 { // as slow, but exactly the limit arrives: nobody refused
+		limit, _, _ := c.l.state()
+		c.window(limit, 30*time.Millisecond, 0, 0)
+	}
+	if _, _, baseline := c.l.state(); baseline <= 11*time.Millisecond || baseline > 15*time.Millisecond {
+		t.Fatalf("baseline %s after 100 windows at 30ms refusing nobody, want it risen slowly from 10ms (11–15ms)", baseline)
 	}
 }
 
