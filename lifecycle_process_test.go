@@ -392,10 +392,11 @@ func TestProcessOpsListenerServesThroughTheDrain(t *testing.T) {
 		}
 		code, _, _, err := get(t, client, ops+"/health")
 		if err != nil {
-			// Only once the process is at its very last step may the ops listener refuse.
-			if len(p.logsMatching(map[string]any{"event": "state_changed", "to": "stopped"})) == 0 {
-				t.Fatalf("/health failed before the process stopped: %v", err)
-			}
+			// Only once the process is at its very last step may the ops
+			// listener refuse. The child writes that step's line before it
+			// closes the listener, but the line may still be in the pipe:
+			// wait for it (waitLog fails the test if it never comes).
+			p.waitLog(5*time.Second, map[string]any{"event": "state_changed", "to": "stopped"})
 			<-p.exited
 			return true
 		}
