@@ -292,35 +292,25 @@ func sampleLimit(url string) (stop func() []float64) {
 		return func() []float64 { return nil }
 	}
 	var samples []float64
-	done, finished := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(finished)
-		client := &http.Client{Timeout: time.Second}
-		tick := time.NewTicker(100 * time.Millisecond)
-		defer tick.Stop()
-		for {
-			if res, err := client.Get(url); err == nil {
-				raw, _ := io.ReadAll(res.Body)
-				res.Body.Close()
-				for line := range strings.Lines(string(raw)) {
-					// The metric's namespace is the service's name: match its suffix.
-					if name, value, ok := strings.Cut(strings.TrimSpace(line), " "); ok && strings.HasSuffix(name, "_api_concurrency_limit") {
-						if v, err := strconv.ParseFloat(value, 64); err == nil {
-							samples = append(samples, v)
-						}
-					}
+	client := &http.Client{Timeout: time.Second}
+	end := every(100*time.Millisecond, func() {
+		res, err := client.Get(url)
+		if err != nil {
+			return
+		}
+		raw, _ := io.ReadAll(res.Body)
+		res.Body.Close()
+		for line := range strings.Lines(string(raw)) {
+			// The metric's namespace is the service's name: match its suffix.
+			if name, value, ok := strings.Cut(strings.TrimSpace(line), " "); ok && strings.HasSuffix(name, "_api_concurrency_limit") {
+				if v, err := strconv.ParseFloat(value, 64); err == nil {
+					samples = append(samples, v)
 				}
 			}
-			select {
-			case <-done:
-				return
-			case <-tick.C:
-			}
 		}
-	}()
+	})
 	return func() []float64 {
-		close(done)
-		<-finished
+		end()
 		return samples
 	}
 }
@@ -335,13 +325,23 @@ func (r *rssSampler) start() (stop func() int64) {
 	if r.pid == 0 {
 		return func() int64 { return 0 }
 	}
+	end := every(100*time.Millisecond, func() { r.most = max(r.most, loadtool.RSS(r.pid)) })
+	return func() int64 {
+		end()
+		return max(r.most, loadtool.RSS(r.pid))
+	}
+}
+
+// every runs fn at once and then every interval, on a goroutine of its own,
+// until stop is called; stop returns once fn has run for the last time.
+func every(interval time.Duration, fn func()) (stop func()) {
 	done, finished := make(chan struct{}), make(chan struct{})
 	go func() {
 		defer close(finished)
-		tick := time.NewTicker(100 * time.Millisecond)
+		tick := time.NewTicker(interval)
 		defer tick.Stop()
 		for {
-			r.most = max(r.most, loadtool.RSS(r.pid))
+			fn()
 			select {
 			case <-done:
 				return
@@ -349,9 +349,8 @@ func (r *rssSampler) start() (stop func() int64) {
 			}
 		}
 	}()
-	return func() int64 {
+	return func() {
 		close(done)
 		<-finished
-		return max(r.most, loadtool.RSS(r.pid))
 	}
 }
