@@ -164,6 +164,9 @@ func (h *sseHub) run(ctx context.Context) {
 // event is readable by then; the brief retries are a guard, and what a read
 // still misses, the next tick finds.
 func (h *sseHub) catchUp(ctx context.Context, target int64) {
+	if h.skipWhileIdle(ctx, target) {
+		return
+	}
 	wait := catchUpRetryFirst
 	for {
 		n, err := h.readAfterCursor(ctx)
@@ -184,6 +187,33 @@ func (h *sseHub) catchUp(ctx context.Context, target int64) {
 		}
 		wait *= 2
 	}
+}
+
+// skipWhileIdle moves the cursor to target without reading an event while no
+// stream is open: nobody would read them, and the pollers of a busy cluster
+// deliver thousands a second. A stream opened next starts there (open reads
+// the cursor under feedMu, after counting itself in streamsNow) and replays
+// what came before from Postgres. A tick (target 0) asks where delivery
+// stands: one index lookup, not a page of events. It says whether it skipped.
+func (h *sseHub) skipWhileIdle(ctx context.Context, target int64) bool {
+	if h.streamsNow.Load() > 0 {
+		return false
+	}
+	if target == 0 {
+		if err := h.db.QueryRow(ctx, `SELECT coalesce(max(delivery_seq), 0) FROM outbox_events`).Scan(&target); err != nil {
+			if ctx.Err() == nil {
+				h.log.WithError(err).Warn("reading the delivery position")
+			}
+			return true
+		}
+	}
+	h.feedMu.Lock()
+	defer h.feedMu.Unlock()
+	if h.streamsNow.Load() > 0 {
+		return false // a stream opened meanwhile: it reads from the cursor as it is
+	}
+	h.cursor = max(h.cursor, target)
+	return true
 }
 
 func (h *sseHub) position() int64 {

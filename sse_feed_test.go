@@ -86,3 +86,45 @@ func TestSSEFeedSharesFramesAndDropsLaggards(t *testing.T) {
 		h.release(s)
 	}
 }
+
+// With no stream open the hub reads no event: a wake-up or a tick only moves
+// its cursor to where delivery stands. A stream opened then starts there, and
+// the hub reads the events after it for that stream.
+func TestSSEHubReadsNoEventWithNoStreamOpen(t *testing.T) {
+	f := newOutboxFixture(t)
+	f.writeEvents(t, 3)
+	p := f.poller(t, "p")
+	if err := p.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Stop(context.Background())
+	f.waitDelivered(t, 3, 10*time.Second) // delivered and numbered
+	_, seqs := f.deliveredInOrder(t)
+
+	h := newSSEHub(sseHubDeps{db: f.db, cfg: defaultConfig().SSE, poll: time.Second, log: newLogger(io.Discard, "json"),
+		metrics: newMetrics(), onPanic: func(component, any) {}})
+	h.catchUp(context.Background(), seqs[0]) // a poller's wake-up
+	if h.position() != seqs[0] || h.written != 0 {
+		t.Fatalf("after a wake-up with no stream: cursor %d, %d events read; want %d and none", h.position(), h.written, seqs[0])
+	}
+	h.catchUp(context.Background(), 0) // the tick
+	if h.position() != seqs[2] || h.written != 0 {
+		t.Fatalf("after a tick with no stream: cursor %d, %d events read; want %d and none", h.position(), h.written, seqs[2])
+	}
+
+	s, from, err := h.open(context.Background(), "127.0.0.1", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.release(s)
+	if from != seqs[2] {
+		t.Fatalf("a stream opened at %d, want where delivery stands (%d)", from, seqs[2])
+	}
+	f.writeEvents(t, 2)
+	f.waitDelivered(t, 5, 10*time.Second)
+	_, seqs = f.deliveredInOrder(t)
+	h.catchUp(context.Background(), seqs[4])
+	if got, _, _ := h.pending(s, nil); len(got) != 2 || got[0].seq != seqs[3] || got[1].seq != seqs[4] {
+		t.Fatalf("the open stream read %v, want the events numbered %v", got, seqs[3:])
+	}
+}
