@@ -276,7 +276,7 @@ func (c *config) settings() []configSetting {
 			doc: "when the leader enqueues the retention job (purgeOutbox)"},
 
 		{key: "jobs.workers", env: "KUMIKO_JOBS_WORKERS", def: "10", value: uintValue{p: &c.Jobs.Workers, min: 1},
-			doc: "jobs worked at once by this instance"},
+			doc: "jobs of one kind worked at once by this instance (each kind has its queue)"},
 		{key: "jobs.pollInterval", env: "KUMIKO_JOBS_POLL_INTERVAL", def: "1s", value: durationValue{p: &c.Jobs.PollInterval},
 			doc: "River's fetch poll, the fallback to its LISTEN", old: "jobs.pollIntervalSec"},
 		{key: "jobs.timeout", env: "KUMIKO_JOBS_TIMEOUT", def: "1m", value: durationValue{p: &c.Jobs.Timeout},

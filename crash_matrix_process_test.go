@@ -15,7 +15,7 @@ package main
 //     within a few seconds: no stuck key;
 //   - the leader lock, if the victim held it, expires within its TTL;
 //   - every outbox event is delivered exactly once per consumer: one
-//     indexOrder and one writeReceipt job per order, the survivor's event
+//     order in one indexOrder and one writeReceipt job, the survivor's event
 //     stream has every event once in delivery order, and so has a stream
 //     that was open on the victim and resumed on the survivor with
 //     Last-Event-ID; no cron tick is enqueued twice.
@@ -423,7 +423,7 @@ func (m *crashMatrix) checkDelivery(t *testing.T, moved *resumed) {
 	// The jobs: one of each kind per order.created. Counted in two scans
 	// and compared here: a join of the two fresh, unanalysed tables may be
 	// planned as a nested loop, quadratic in the orders.
-	rows, err := m.pool.Query(ctx, `SELECT args->>'orderId', kind, count(*) FROM river_job
+	rows, err := m.pool.Query(ctx, `SELECT order_id, kind, count(*) FROM river_job, jsonb_array_elements_text(args->'orderIds') AS order_id
 		WHERE kind IN ('indexOrder', 'writeReceipt') GROUP BY 1, 2`)
 	if err != nil {
 		t.Fatal(err)

@@ -157,15 +157,19 @@ func work[T river.JobArgs](run func(workDeps, context.Context, *river.Job[T]) er
 	}}
 }
 
-// subscription inserts a job for every delivered event of one type, in the
-// delivery's transaction.
+// subscription inserts one job for the delivered events of one type in one
+// delivery batch (at most KUMIKO_OUTBOX_BATCH_SIZE), in the delivery's
+// transaction. A job that works a batch at once (one search call for many
+// documents) costs River one job, not one per event; a job that must work
+// each event alone loops over them. When a batch's jobs cannot be made, each
+// event is tried alone, so only the bad one fails (outboxPoller.insertJobs).
 type subscription struct {
 	event, kind string
-	args        func(outboxEvent) (river.JobArgs, error)
+	args        func([]outboxEvent) (river.JobArgs, error)
 }
 
-func subscribe[T river.JobArgs](event string, args func(outboxEvent) (T, error)) subscription {
-	return subscription{event: event, kind: kindOf[T](), args: func(ev outboxEvent) (river.JobArgs, error) { return args(ev) }}
+func subscribe[T river.JobArgs](event string, args func([]outboxEvent) (T, error)) subscription {
+	return subscription{event: event, kind: kindOf[T](), args: func(evs []outboxEvent) (river.JobArgs, error) { return args(evs) }}
 }
 
 // cronJob inserts a job on every tick of spec. Its args carry the tick (a

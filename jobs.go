@@ -177,19 +177,29 @@ func insertIntoKindQueue(ctx context.Context, params []*rivertype.JobInsertParam
 }
 
 // insertForEvents inserts the jobs the delivered events trigger, in the
-// delivery's transaction: an event is marked delivered exactly when its jobs exist.
+// delivery's transaction: an event is marked delivered exactly when its jobs
+// exist. Each subscription gets one job for its events of the batch; the job
+// continues the trace of the first and links the others (deliverySpans).
 func (j *jobs) insertForEvents(ctx context.Context, tx pgx.Tx, events []outboxEvent) error {
-	var params []river.InsertManyParams
+	byType := map[string][]outboxEvent{}
+	var types []string // in the order of their first event, for a stable insert order
 	for _, ev := range events {
-		subs := j.subscribers[ev.Type]
-		if len(subs) == 0 {
+		if len(j.subscribers[ev.Type]) == 0 {
 			continue
 		}
-		meta := deliverySpan(ctx, j.tracer, ev)
-		for _, s := range subs {
-			args, err := s.args(ev)
+		if byType[ev.Type] == nil {
+			types = append(types, ev.Type)
+		}
+		byType[ev.Type] = append(byType[ev.Type], ev)
+	}
+	var params []river.InsertManyParams
+	for _, typ := range types {
+		evs := byType[typ]
+		meta := deliverySpans(ctx, j.tracer, evs)
+		for _, s := range j.subscribers[typ] {
+			args, err := s.args(evs)
 			if err != nil {
-				return fmt.Errorf("event %d (%s) → job %s: %w", ev.ID, ev.Type, s.kind, err)
+				return fmt.Errorf("%d %s events → job %s: %w", len(evs), typ, s.kind, err)
 			}
 			params = append(params, river.InsertManyParams{Args: args, InsertOpts: &river.InsertOpts{Metadata: meta}})
 		}

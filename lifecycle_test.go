@@ -189,7 +189,7 @@ func (testManualArgs) Kind() string { return "sleep" }
 
 func TestValidateFeaturesListsEveryProblem(t *testing.T) {
 	index := func(workDeps, context.Context, *river.Job[testIndexArgs]) error { return nil }
-	indexArgs := func(outboxEvent) (testIndexArgs, error) { return testIndexArgs{}, nil }
+	indexArgs := func([]outboxEvent) (testIndexArgs, error) { return testIndexArgs{}, nil }
 	digestAt := func(time.Time, int64) testDigestArgs { return testDigestArgs{} }
 	err := validateFeatures([]feature{
 		{name: "notes", publishes: []string{"note.added"}, workers: []worker{work(index)},

@@ -83,27 +83,31 @@ func ordersFeature(cfg config) feature {
 	// An order triggers only the jobs whose dependency is configured (a
 	// configured one that is down is skipped at phase 11/12 and retried by River).
 	if cfg.Search.URL != "" {
-		f.subscriptions = append(f.subscriptions, subscribe(eventOrderCreated, func(ev outboxEvent) (indexOrderArgs, error) {
-			id, err := orderIDOf(ev)
-			return indexOrderArgs{OrderID: id}, err
+		f.subscriptions = append(f.subscriptions, subscribe(eventOrderCreated, func(evs []outboxEvent) (indexOrderArgs, error) {
+			ids, err := orderIDsOf(evs)
+			return indexOrderArgs{OrderIDs: ids}, err
 		}))
 	}
 	if cfg.Storage.Endpoint != "" {
-		f.subscriptions = append(f.subscriptions, subscribe(eventOrderCreated, func(ev outboxEvent) (writeReceiptArgs, error) {
-			id, err := orderIDOf(ev)
-			return writeReceiptArgs{OrderID: id}, err
+		f.subscriptions = append(f.subscriptions, subscribe(eventOrderCreated, func(evs []outboxEvent) (writeReceiptArgs, error) {
+			ids, err := orderIDsOf(evs)
+			return writeReceiptArgs{OrderIDs: ids}, err
 		}))
 	}
 	return f
 }
 
-// orderIDOf is the order an order event is about: its aggregate id.
-func orderIDOf(ev outboxEvent) (int64, error) {
-	id, err := strconv.ParseInt(ev.AggregateID, 10, 64)
-	if err != nil {
-		return 0, fmt.Errorf("aggregate id %q is not an order id", ev.AggregateID)
+// orderIDsOf are the orders order events are about: their aggregate ids.
+func orderIDsOf(evs []outboxEvent) ([]int64, error) {
+	ids := make([]int64, len(evs))
+	for i, ev := range evs {
+		id, err := strconv.ParseInt(ev.AggregateID, 10, 64)
+		if err != nil {
+			return nil, fmt.Errorf("event %d: aggregate id %q is not an order id", ev.ID, ev.AggregateID)
+		}
+		ids[i] = id
 	}
-	return id, nil
+	return ids, nil
 }
 
 // order is an order as stored and as answered. Clients only ever see the

@@ -11,21 +11,25 @@ import (
 	"github.com/meilisearch/meilisearch-go"
 	"github.com/minio/minio-go/v7"
 	"github.com/riverqueue/river"
+	"golang.org/x/sync/errgroup"
 )
 
 // The orders demo's jobs. Each worker must be idempotent: River runs a job
 // again after a crash.
 
-// indexOrderArgs: order.created → the order in Meilisearch.
+// indexOrderArgs: order.created → the orders in Meilisearch. One job carries
+// the orders of one delivery batch: a search index takes many documents in
+// one call as cheaply as one, and River's cost is per job, not per order.
 type indexOrderArgs struct {
-	OrderID int64 `json:"orderId"`
+	OrderIDs []int64 `json:"orderIds"`
 }
 
 func (indexOrderArgs) Kind() string { return "indexOrder" }
 
-// writeReceiptArgs: order.created → a sealed receipt object in S3.
+// writeReceiptArgs: order.created → a sealed receipt object in S3 per order,
+// the orders of one delivery batch in one job.
 type writeReceiptArgs struct {
-	OrderID int64 `json:"orderId"`
+	OrderIDs []int64 `json:"orderIds"`
 }
 
 func (writeReceiptArgs) Kind() string { return "writeReceipt" }
@@ -35,40 +39,57 @@ type reportArgs struct{ CronRun }
 
 func (reportArgs) Kind() string { return "report" }
 
-// indexOrder puts the order into the Meilisearch index (replacing any earlier copy).
+// receiptWrites bounds the receipts one job writes to S3 at once: the
+// object store's round trips overlap, and one job does not open a connection
+// per order.
+const receiptWrites = 8
+
+// indexOrder puts the orders into the Meilisearch index in one call
+// (replacing any earlier copy).
 func indexOrder(d workDeps, ctx context.Context, job *river.Job[indexOrderArgs]) error {
 	if d.search == nil {
 		return nil // search not configured: nothing to index into
 	}
-	o, err := loadOrder(ctx, d.db, job.Args.OrderID)
+	orders, err := loadOrders(ctx, d.db, job.Args.OrderIDs)
 	if err != nil {
 		return err
 	}
 	pk := "id"
 	ctx, cancel := d.external(ctx)
 	defer cancel()
-	if _, err := d.search.Index(ordersIndex).AddDocuments(ctx, []order{o}, &meilisearch.DocumentOptions{PrimaryKey: &pk}); err != nil {
-		return fmt.Errorf("indexing order %d: %w", o.ID, err)
+	if _, err := d.search.Index(ordersIndex).AddDocuments(ctx, orders, &meilisearch.DocumentOptions{PrimaryKey: &pk}); err != nil {
+		return fmt.Errorf("indexing %d orders: %w", len(orders), err)
 	}
 	return nil
 }
 
-// writeReceipt stores the order's receipt in S3, sealed with the master key:
-// the object store never sees a customer's order in the clear.
+// writeReceipt stores each order's receipt in S3, sealed with the master key:
+// the object store never sees a customer's order in the clear. A retry
+// writes every receipt of the job again; the same order always makes the
+// same object name, so a receipt is replaced, never doubled.
 func writeReceipt(d workDeps, ctx context.Context, job *river.Job[writeReceiptArgs]) error {
 	if d.storage == nil {
 		return nil
 	}
-	o, err := loadOrder(ctx, d.db, job.Args.OrderID)
+	orders, err := loadOrders(ctx, d.db, job.Args.OrderIDs)
 	if err != nil {
 		return err
 	}
+	g, ctx := errgroup.WithContext(ctx)
+	g.SetLimit(receiptWrites)
+	for _, o := range orders {
+		g.Go(func() error { return putReceipt(d, ctx, o) })
+	}
+	return g.Wait()
+}
+
+func putReceipt(d workDeps, ctx context.Context, o order) error {
 	plain, _ := json.Marshal(o)
 	name := fmt.Sprintf("receipts/%d.sealed", o.ID)
 	sealed := d.masterKey.seal(plain, []byte(name))
 	ctx, cancel := d.external(ctx)
 	defer cancel()
-	_, err = d.storage.PutObject(ctx, d.bucket, name, bytes.NewReader(sealed), int64(len(sealed)),
+	_, err := d.storage.PutObject(ctx, d.bucket, name, bytes.NewReader(sealed), int64(len(sealed)),
 		minio.PutObjectOptions{ContentType: "application/octet-stream", UserMetadata: map[string]string{"Key-Id": d.masterKey.id}})
 	if err != nil {
 		return fmt.Errorf("writing %s: %w", name, err)
@@ -102,10 +123,25 @@ func writeReport(d workDeps, ctx context.Context, job *river.Job[reportArgs]) er
 	return nil
 }
 
-func loadOrder(ctx context.Context, db *pgxpool.Pool, id int64) (order, error) {
-	o, err := scanOrder(db.QueryRow(ctx, `SELECT `+orderColumns+` FROM orders WHERE id = $1`, id))
+// loadOrders loads the orders with these ids, every one of them: an id
+// without its order fails the job (River retries it, then discards it).
+func loadOrders(ctx context.Context, db *pgxpool.Pool, ids []int64) ([]order, error) {
+	orders, err := collectOrders(db.Query(ctx, `SELECT `+orderColumns+` FROM orders WHERE id = ANY ($1::bigint[]) ORDER BY id`, ids))
 	if err != nil {
-		return order{}, fmt.Errorf("loading order %d: %w", id, err)
+		return nil, fmt.Errorf("loading %d orders: %w", len(ids), err)
 	}
-	return o, nil
+	found := make(map[int64]bool, len(orders))
+	for _, o := range orders {
+		found[o.ID] = true
+	}
+	var missing []int64
+	for _, id := range ids {
+		if !found[id] {
+			missing = append(missing, id)
+		}
+	}
+	if len(missing) > 0 {
+		return nil, fmt.Errorf("loading orders: %v not found", missing)
+	}
+	return orders, nil
 }

@@ -64,13 +64,33 @@ func traceRequests(tracer trace.Tracer) echo.MiddlewareFunc {
 	}
 }
 
-// deliverySpan marks an event's delivery inside its writer's trace and
-// returns the metadata that carries it into the jobs the event triggers.
-func deliverySpan(ctx context.Context, tracer trace.Tracer, ev outboxEvent) []byte {
-	ctx, span := tracer.Start(withTraceparent(ctx, ev.Traceparent), "outbox.deliver "+ev.Type,
-		trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attribute.Int64("outbox.event_id", ev.ID)))
-	defer span.End()
-	meta, _ := json.Marshal(map[string]string{"traceparent": traceparentOf(ctx)})
+// jobTraceLinks bounds the other events' traces a batch job links to (as
+// OpenTelemetry's default span link limit does).
+const jobTraceLinks = 128
+
+// jobTrace is the trace a job's metadata carries: it continues the first
+// event's and links the other events' of its batch.
+type jobTrace struct {
+	Traceparent string   `json:"traceparent"`
+	Links       []string `json:"links,omitempty"`
+}
+
+// deliverySpans marks each event's delivery inside its writer's trace and
+// returns the metadata that carries them into the job the events trigger.
+func deliverySpans(ctx context.Context, tracer trace.Tracer, evs []outboxEvent) []byte {
+	var t jobTrace
+	for i, ev := range evs {
+		ctx, span := tracer.Start(withTraceparent(ctx, ev.Traceparent), "outbox.deliver "+ev.Type,
+			trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attribute.Int64("outbox.event_id", ev.ID)))
+		switch {
+		case i == 0:
+			t.Traceparent = traceparentOf(ctx)
+		case len(t.Links) < jobTraceLinks:
+			t.Links = append(t.Links, traceparentOf(ctx))
+		}
+		span.End()
+	}
+	meta, _ := json.Marshal(t)
 	return meta
 }
 
@@ -82,12 +102,14 @@ func deliverySpan(ctx context.Context, tracer trace.Tracer, ev outboxEvent) []by
 // and it is counted and logged as interrupted, not failed.
 func traceAndCountJobs(tracer trace.Tracer, m *metrics, stopping func() bool, log *logrus.Entry) rivertype.Middleware {
 	return river.WorkerMiddlewareFunc(func(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error) error {
-		var meta struct {
-			Traceparent string `json:"traceparent"`
-		}
+		var meta jobTrace
 		_ = json.Unmarshal(job.Metadata, &meta) // no metadata: a new trace
+		links := make([]trace.Link, 0, len(meta.Links))
+		for _, tp := range meta.Links {
+			links = append(links, trace.LinkFromContext(withTraceparent(ctx, tp)))
+		}
 		ctx, span := tracer.Start(withTraceparent(ctx, meta.Traceparent), "job "+job.Kind, trace.WithSpanKind(trace.SpanKindConsumer),
-			trace.WithAttributes(attribute.Int64("job.id", job.ID), attribute.Int("job.attempt", job.Attempt)))
+			trace.WithLinks(links...), trace.WithAttributes(attribute.Int64("job.id", job.ID), attribute.Int("job.attempt", job.Attempt)))
 		defer span.End()
 		start := time.Now()
 		err := doInner(ctx)
