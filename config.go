@@ -275,8 +275,8 @@ func (c *config) settings() []configSetting {
 		{key: "outbox.purgeCron", env: "KUMIKO_OUTBOX_PURGE_CRON", def: "@hourly", value: textValue{p: &c.Outbox.PurgeCron},
 			doc: "when the leader enqueues the retention job (purgeOutbox)"},
 
-		{key: "jobs.workers", env: "KUMIKO_JOBS_WORKERS", def: "10", value: uintValue{p: &c.Jobs.Workers, min: 1},
-			doc: "jobs of one kind worked at once by this instance (each kind has its queue)"},
+		{key: "jobs.workers", env: "KUMIKO_JOBS_WORKERS", def: "100", value: uintValue{p: &c.Jobs.Workers, min: 1},
+			doc: "jobs of one kind worked at once by this instance (each kind has its queue); River fetches at most this many every 100 ms, so short jobs need many"},
 		{key: "jobs.pollInterval", env: "KUMIKO_JOBS_POLL_INTERVAL", def: "1s", value: durationValue{p: &c.Jobs.PollInterval},
 			doc: "River's fetch poll, the fallback to its LISTEN", old: "jobs.pollIntervalSec"},
 		{key: "jobs.timeout", env: "KUMIKO_JOBS_TIMEOUT", def: "1m", value: durationValue{p: &c.Jobs.Timeout},
