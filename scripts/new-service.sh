@@ -115,6 +115,7 @@ demo_files=(
   migrations/000013_orders_public_id.up.sql migrations/000013_orders_public_id.down.sql
   migrations/000015_order_events_without_order_id.up.sql migrations/000015_order_events_without_order_id.down.sql
   scripts/bench-orders.sh scripts/refhandler scripts/bench-sse.sh scripts/sseload scripts/bench-overload.sh scripts/overload
+  scripts/bench-followup.sh scripts/meilistandin scripts/riverbench
 )
 if $bare; then
   for f in "${demo_files[@]}"; do
