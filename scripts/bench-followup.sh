@@ -135,7 +135,7 @@ stop_apps >/dev/null
 if [ "$DELIVERY" != 0 ]; then
   printf '\n5. delivery from a backlog of %s events, no added latency (go test -bench OutboxThroughput):\n' "$DELIVERY"
   bench=$(KUMIKO_REQUIRE_SERVICES=1 go test -run '^$' -bench 'OutboxThroughput/rtt=0s/pollers=[12]$' -benchtime "${DELIVERY}x" . | grep '^Benchmark')
-  printf '   %s\n' "$bench" | sed 's/^   Benchmark/   /'
+  sed 's/^Benchmark/   /' <<<"$bench"
   one=$(grep 'pollers=1' <<<"$bench" | grep -o '[0-9.]* events/s' | cut -d' ' -f1)
   two=$(grep 'pollers=2' <<<"$bench" | grep -o '[0-9.]* events/s' | cut -d' ' -f1)
   awk -v a="$one" -v b="$two" 'BEGIN { printf "   two ÷ one = %.2f (target ≥ 1.6)\n", b / a }'
