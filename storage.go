@@ -12,9 +12,9 @@ import (
 // fileStorage is phase 12: the S3-compatible bucket, created when missing.
 // Like search it is optional: when it is down the boot goes on and the features
 // that write objects degrade; its readiness check never fails readiness.
-// storageConns bounds the connections to the object store: past a few dozen
-// writes at once, more only queue inside the server (versitygw on 2 cores:
-// 1,024 PUTs/s on one connection, about 1,600 on 4 to 16, 1,400 on 64).
+// storageConns bounds the connections to the object store: the jobs write
+// objects in parallel, and past what the server works at once more
+// connections only queue inside it.
 const storageConns = 32
 
 func (a *app) fileStorage(ctx context.Context, p *phaseRun) error {
