@@ -40,9 +40,9 @@ sql "ALTER SYSTEM SET fsync = off" >/dev/null
 sql "SELECT pg_reload_conf()" >/dev/null
 mkdir -p "$DIR/s3"
 ROOT_ACCESS_KEY=bench-access ROOT_SECRET_KEY=bench-secret-key setsid versitygw --keep-alive --quiet --port "127.0.0.1:$S3_PORT" posix "$DIR/s3" >"$DIR/s3.log" 2>&1 &
-server_pids+=($!)
+s3_pid=$! && server_pids+=($!)
 setsid "$DIR/meilistandin" -addr "127.0.0.1:$MEILI_PORT" -latency "$MEILI_LATENCY" >"$DIR/meili.log" 2>&1 &
-server_pids+=($!)
+meili_pid=$! && server_pids+=($!)
 export S3_ENDPOINT="127.0.0.1:$S3_PORT" S3_ACCESS_KEY=bench-access S3_SECRET_KEY=bench-secret-key MEILI_URL="http://127.0.0.1:$MEILI_PORT"
 for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$S3_PORT") 2>/dev/null && break; sleep 0.1; done
 
@@ -85,8 +85,10 @@ sql "WITH o AS (INSERT INTO orders (customer, items, total_cents)
   SELECT 'order', o.id::text, 'order.created', '{\"status\":\"created\",\"totalCents\":900,\"itemCount\":2}' FROM o" >/dev/null
 read -r jobs0 items0 <<<"$(done_jobs | tr '|' ' ')"
 since=$(sql "SELECT now()")
+cpu0=($(box_busy_seconds) $(pg_cpu_seconds) $(cpu_seconds "$s3_pid") $(cpu_seconds "$meili_pid"))
 start_app 1 "$DIR/app1.log"
 secs=$(settle 600)
+cpu1=($(box_busy_seconds) $(pg_cpu_seconds) $(cpu_seconds "$s3_pid") $(cpu_seconds "$meili_pid") $(cpu_seconds "${app_pids[1]}"))
 read -r jobs1 items1 <<<"$(done_jobs | tr '|' ' ')"
 C=$(awk -v n="$((items1 - items0))" -v s="$secs" 'BEGIN { printf "%.0f", n / s }')
 J=$(awk -v n="$((jobs1 - jobs0))" -v s="$secs" 'BEGIN { printf "%.0f", n / s }')
@@ -100,6 +102,11 @@ sql "SELECT kind, count(*), sum(jsonb_array_length(args->'orderIds')),
   while IFS='|' read -r kind n items secs p50; do
     printf '   %-12s %4s jobs, %6s orders, worked within %5s s; a job took %s ms (p50)\n' "$kind" "$n" "$items" "$secs" "$p50"
   done
+# Where the two cores went meanwhile: who sets the pace.
+awk -v s="$secs" -v n="$(nproc)" -v b="${cpu1[0]} ${cpu0[0]}" -v p="${cpu1[1]} ${cpu0[1]}" -v o="${cpu1[2]} ${cpu0[2]}" \
+  -v m="${cpu1[3]} ${cpu0[3]}" -v a="${cpu1[4]}" 'function d(x, f) { split(x, f, " "); return (f[1] - f[2]) / s }
+  BEGIN { printf "   cores busy meanwhile: %.2f of %d — the service %.2f, PostgreSQL %.2f, versitygw %.2f, the stand-in %.2f\n",
+    d(b), n, a / s, d(p), d(o), d(m) }'
 
 # 3. River on its own, same database, the instance stopped.
 stop_apps >/dev/null

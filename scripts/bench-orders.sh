@@ -36,17 +36,6 @@ trap cleanup EXIT INT TERM
 start_services
 go build -o "$DIR/refhandler" ./scripts/refhandler
 sql() { psql -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -qAtc "$1"; }
-cpu_seconds() { awk -v hz="$(getconf CLK_TCK)" '{ printf "%.3f", ($14 + $15) / hz }' "/proc/$1/stat"; }
-# pg_cpu_seconds: PostgreSQL's CPU so far, every process of the cluster: the
-# live ones, and the backends that have exited (the postmaster's children time).
-pg_cpu_seconds() {
-  local pm
-  pm=$(head -1 "$DIR/pg/postmaster.pid")
-  awk -v hz="$(getconf CLK_TCK)" -v pm="$pm" '
-    FNR == 1 { sub(/^.*\) /, ""); if ($2 == pm) t += $12 + $13 }  # a child: utime, stime (fields 14, 15)
-    FNR == 1 && FILENAME == "/proc/" pm "/stat" { t += $12 + $13 + $14 + $15 }
-    END { printf "%.3f", t / hz }' /proc/[0-9]*/stat 2>/dev/null
-}
 pending() { sql "SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL AND dead_at IS NULL"; }
 echo '{"customer":"Ada Lovelace","items":[{"sku":"tea","qty":2,"priceCents":250},{"sku":"cake","qty":1,"priceCents":400}]}' >"$DIR/order.json"
 cat >"$DIR/order.sql" <<'SQL'

@@ -17,6 +17,21 @@ pgbin=$(dirname "$(command -v initdb 2>/dev/null || ls /usr/lib/postgresql/*/bin
 as_pg() { if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
 app_pids=() prefixer_pids=() server_pids=()
 
+# CPU read from /proc, in seconds, for the benchmarks. cpu_seconds PID: one
+# process's. box_busy_seconds: every core's, idle and I/O wait left out.
+cpu_seconds() { awk -v hz="$(getconf CLK_TCK)" '{ printf "%.3f", ($14 + $15) / hz }' "/proc/$1/stat"; }
+# pg_cpu_seconds: PostgreSQL's CPU so far, every process of the cluster: the
+# live ones, and the backends that have exited (the postmaster's children time).
+pg_cpu_seconds() {
+  local pm
+  pm=$(head -1 "$DIR/pg/postmaster.pid")
+  awk -v hz="$(getconf CLK_TCK)" -v pm="$pm" '
+    FNR == 1 { sub(/^.*\) /, ""); if ($2 == pm) t += $12 + $13 }  # a child: utime, stime (fields 14, 15)
+    FNR == 1 && FILENAME == "/proc/" pm "/stat" { t += $12 + $13 + $14 + $15 }
+    END { printf "%.3f", t / hz }' /proc/[0-9]*/stat 2>/dev/null
+}
+box_busy_seconds() { awk -v hz="$(getconf CLK_TCK)" '$1 == "cpu" { printf "%.3f", ($2 + $3 + $4 + $7 + $8) / hz }' /proc/stat; }
+
 # check_ports NAME=PORT...: before anything starts, name every port that is
 # taken and the variable that moves it, and stop. The scripts' default ports
 # are all below 32768, outside Linux's ephemeral range: a port a load run's
