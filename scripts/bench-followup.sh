@@ -35,9 +35,7 @@ trap cleanup EXIT INT TERM
 
 start_services
 for tool in overload meilistandin riverbench; do go build -o "$DIR/$tool" "./scripts/$tool"; done
-sql() { psql -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -qAtc "$1"; }
-sql "ALTER SYSTEM SET fsync = off" >/dev/null
-sql "SELECT pg_reload_conf()" >/dev/null
+pg_fsync off
 mkdir -p "$DIR/s3"
 ROOT_ACCESS_KEY=bench-access ROOT_SECRET_KEY=bench-secret-key setsid versitygw --keep-alive --quiet --port "127.0.0.1:$S3_PORT" posix "$DIR/s3" >"$DIR/s3.log" 2>&1 &
 s3_pid=$! && server_pids+=($!)

@@ -35,7 +35,6 @@ trap cleanup EXIT INT TERM
 
 start_services
 go build -o "$DIR/refhandler" ./scripts/refhandler
-sql() { psql -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -qAtc "$1"; }
 pending() { sql "SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL AND dead_at IS NULL"; }
 echo '{"customer":"Ada Lovelace","items":[{"sku":"tea","qty":2,"priceCents":250},{"sku":"cake","qty":1,"priceCents":400}]}' >"$DIR/order.json"
 cat >"$DIR/order.sql" <<'SQL'
@@ -75,10 +74,7 @@ settle() {
 # measure MODE: the three measurements with fsync=MODE, and their table.
 measure() {
   local mode=$1 prof=
-  sql "ALTER SYSTEM SET fsync = $mode" >/dev/null
-  sql "SELECT pg_reload_conf()" >/dev/null
-  sleep 0.2 # the reload is asynchronous: let every process reread its configuration
-  [ "$(sql 'SHOW fsync')" = "$mode" ] || { echo "fsync did not become $mode" >&2; return 1; }
+  pg_fsync "$mode"
   settle
 
   # 1. The service. Its CPU is read before the load and again once the outbox

@@ -49,9 +49,7 @@ if [ "${PIN:-1}" != 0 ] && [ "$cores" -ge 2 ]; then
 fi
 start_services
 go build -o "$DIR/overload" ./scripts/overload
-sql() { psql -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -qAtc "$1"; }
-sql "ALTER SYSTEM SET fsync = off" >/dev/null
-sql "SELECT pg_reload_conf()" >/dev/null
+pg_fsync off
 pending() { sql "SELECT count(*) FROM outbox_events WHERE delivered_at IS NULL AND dead_at IS NULL"; }
 # settle: the deliveries of one rate's orders must not run in the next one's.
 settle() { for _ in $(seq 1 300); do [ "$(pending)" = 0 ] && return; sleep 0.1; done; }

@@ -17,6 +17,17 @@ pgbin=$(dirname "$(command -v initdb 2>/dev/null || ls /usr/lib/postgresql/*/bin
 as_pg() { if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
 app_pids=() prefixer_pids=() server_pids=()
 
+# sql QUERY: one query against the throwaway PostgreSQL, rows unaligned.
+sql() { psql -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -qAtc "$1"; }
+# pg_fsync on|off: sets PostgreSQL's fsync for the benchmarks and checks that
+# the server took it.
+pg_fsync() {
+  sql "ALTER SYSTEM SET fsync = $1" >/dev/null
+  sql "SELECT pg_reload_conf()" >/dev/null
+  sleep 0.2 # the reload is asynchronous: let every process reread its configuration
+  [ "$(sql 'SHOW fsync')" = "$1" ] || { echo "fsync did not become $1" >&2; return 1; }
+}
+
 # CPU read from /proc, in seconds, for the benchmarks. cpu_seconds PID: one
 # process's. box_busy_seconds: every core's, idle and I/O wait left out.
 cpu_seconds() { awk -v hz="$(getconf CLK_TCK)" '{ printf "%.3f", ($14 + $15) / hz }' "/proc/$1/stat"; }
