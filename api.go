@@ -20,10 +20,12 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/labstack/echo/v4"
 	"github.com/labstack/echo/v4/middleware"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/redis/go-redis/v9"
 	"github.com/sirupsen/logrus"
 	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/net/netutil"
 )
 
 // ---------------------------------------------------------------------------
@@ -180,20 +182,43 @@ type httpServer struct {
 	traffic   *traffic
 }
 
+// connCap bounds a listener's open connections; the zero value does not.
+// Every connection costs a goroutine and its buffers (about 30 KB under
+// overload), and a client past its timeout opens another while the first is
+// still queued: uncapped, an overload grows the process until the memory
+// limit kills it, on every instance at once. At the cap the listener stops
+// accepting (netutil.LimitListener, as HAProxy and nginx do at maxconn): new
+// connections wait in the kernel's accept queue, then their SYNs are
+// dropped and retried by the client, none of it in this process's memory.
+// Probes are unaffected: they use the ops port, which has no cap.
+type connCap struct {
+	max  int
+	open prometheus.Gauge // the connections open now
+}
+
 // listenHTTP binds addr and serves h on it from one owned goroutine. A Serve
 // failure other than a normal close is reported to failed (the process then
 // shuts down: a server that cannot accept is not serving).
-func listenHTTP(c component, addr string, h http.Handler, hc httpConfig, log *logrus.Logger, failed func(error)) (*httpServer, error) {
+func listenHTTP(c component, addr string, h http.Handler, hc httpConfig, conns connCap, log *logrus.Logger, failed func(error)) (*httpServer, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("binding the %s listener: %w", c, err)
+	}
+	if conns.max > 0 {
+		ln = netutil.LimitListener(ln, conns.max)
 	}
 	silent := &silentConns{since: map[net.Conn]time.Time{}}
 	clients := &traffic{since: time.Now()}
 	connState := func(c net.Conn, state http.ConnState) {
 		silent.track(c, state)
-		if state == http.StateNew {
+		switch {
+		case state == http.StateNew:
 			clients.seen()
+			if conns.open != nil {
+				conns.open.Inc()
+			}
+		case conns.open != nil && (state == http.StateClosed || state == http.StateHijacked):
+			conns.open.Dec()
 		}
 	}
 	s := &httpServer{

@@ -132,7 +132,7 @@ func (a *app) observability(ctx context.Context, p *phaseRun) error {
 	mux := http.NewServeMux()
 	mux.Handle("/", e)
 	mux.Handle("/admin/", a.admin)
-	ops, err := listenHTTP(componentOps, a.cfg.OpsAddr, mux, a.cfg.HTTP, a.log, a.serverFailed)
+	ops, err := listenHTTP(componentOps, a.cfg.OpsAddr, mux, a.cfg.HTTP, connCap{}, a.log, a.serverFailed)
 	if err != nil {
 		return err
 	}
@@ -261,7 +261,9 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 		db: a.db, redis: a.redis, search: a.search, masterKey: a.masterKey, sse: hub}
 	a.admission = newAdmission(a.cfg.HTTP, a.metrics)
 	addAPIRoutes(e, a.lc, a.health, a.features, deps, a.cfg.HTTP, a.admission, a.backlog, &a.inFlight, &a.rejecting, a.tracing.tracer)
-	api, err := listenHTTP(componentAPI, a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP, a.log, a.serverFailed)
+	a.metrics.apiConnsMax.Set(float64(a.cfg.HTTP.MaxConns))
+	api, err := listenHTTP(componentAPI, a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP,
+		connCap{max: int(a.cfg.HTTP.MaxConns), open: a.metrics.apiConns}, a.log, a.serverFailed)
 	if err != nil {
 		return err
 	}

@@ -111,9 +111,11 @@ type httpConfig struct {
 	// Admission control (admission.go): the adaptive concurrency limit
 	// stays from ConcurrencyMin to ConcurrencyMax (0: off) and shrinks when
 	// the median latency passes LatencyTolerance percent of its baseline.
-	ConcurrencyMin    uint
-	ConcurrencyMax    uint
-	LatencyTolerance  uint
+	ConcurrencyMin   uint
+	ConcurrencyMax   uint
+	LatencyTolerance uint
+	// MaxConns bounds the API listener's open connections (0: no cap).
+	MaxConns          uint
 	DependencyTimeout time.Duration
 	SlowMax           time.Duration
 	DemoEndpoints     bool
@@ -216,6 +218,8 @@ func (c *config) settings() []configSetting {
 			doc: "the adaptive limit starts here and never goes below, however slow the requests get"},
 		{key: "http.latencyTolerance", env: "KUMIKO_API_LATENCY_TOLERANCE", def: "200", value: uintValue{p: &c.HTTP.LatencyTolerance, min: 101, max: 1000},
 			doc: "percent: the limit shrinks while the median API latency is above this share of its long-term baseline; higher trades latency for goodput"},
+		{key: "http.maxConns", env: "KUMIKO_API_MAX_CONNS", def: "8192", value: uintValue{p: &c.HTTP.MaxConns},
+			doc: "API connections open at once, event streams included; past it new ones wait in the kernel's accept queue, so memory stays bounded however many clients connect; 0 turns the cap off"},
 		{key: "http.dependencyTimeout", env: "KUMIKO_HTTP_DEPENDENCY_TIMEOUT", def: "500ms", value: durationValue{p: &c.HTTP.DependencyTimeout},
 			doc: "one API request's database and Redis calls together; past it, 503 with Retry-After"},
 		{key: "http.slowMax", env: "KUMIKO_SLOW_MAX", def: "60s", value: durationValue{p: &c.HTTP.SlowMax},
@@ -485,6 +489,9 @@ func (c *config) validate() []error {
 	check(c.HTTP.RateLimit == 0 || c.HTTP.RateBurst >= 1, "http.rateBurst must be at least 1 when http.rateLimit is set")
 	check(c.HTTP.ConcurrencyMax == 0 || c.HTTP.ConcurrencyMin <= c.HTTP.ConcurrencyMax,
 		"http.concurrencyMin (%d) must not exceed concurrencyMax (%d)", c.HTTP.ConcurrencyMin, c.HTTP.ConcurrencyMax)
+	check(c.HTTP.MaxConns == 0 || c.HTTP.MaxConns > c.SSE.MaxStreams,
+		"http.maxConns (%d) must exceed sse.maxStreams (%d), or the event streams alone can take every API connection",
+		c.HTTP.MaxConns, c.SSE.MaxStreams)
 	// River rescues a job still running after RescueAfter: a shorter value
 	// would run live jobs twice.
 	check(c.Jobs.Timeout < c.Jobs.RescueAfter, "jobs.timeout (%s) must be shorter than rescueAfter (%s)", c.Jobs.Timeout, c.Jobs.RescueAfter)

@@ -332,6 +332,11 @@ func TestLoadConfigProblems(t *testing.T) {
 			want: []string{"lifecycle.leaderElection: the renew deadline, lockTtl − renewInterval (3s − 2s), must exceed 1.2 × renewInterval"},
 		},
 		{
+			name: "event streams that could take every API connection",
+			env:  map[string]string{"KUMIKO_API_MAX_CONNS": "5000"},
+			want: []string{"http.maxConns (5000) must exceed sse.maxStreams (5000), or the event streams alone can take every API connection"},
+		},
+		{
 			name: "bounds declared in the table",
 			file: "outbox:\n  batchSize: 10001\n",
 			env:  map[string]string{"KUMIKO_OUTBOX_MAX_ATTEMPTS": "0", "KUMIKO_JOBS_WORKERS": "0", "KUMIKO_SSE_MAX_STREAMS": "0"},

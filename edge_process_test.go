@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -138,5 +139,65 @@ func TestProcessOTLPCredentialsMasked(t *testing.T) {
 				t.Errorf("%s contains %q", name, secret)
 			}
 		}
+	}
+}
+
+// At KUMIKO_API_MAX_CONNS open connections the API port stops accepting: the
+// next connection waits in the kernel's queue, unanswered and costing the
+// process nothing, until one of the open ones closes. The ops port, where the
+// probes go, still answers.
+func TestProcessAPIConnectionCap(t *testing.T) {
+	env := fastEnv(t)
+	env["KUMIKO_API_MAX_CONNS"] = "2"
+	env["KUMIKO_SSE_MAX_STREAMS"] = "1"
+	p := startProc(t, env)
+	ops, api := p.waitReady()
+
+	ask := func(conn net.Conn) *bufio.Reader {
+		t.Helper()
+		if _, err := io.WriteString(conn, "GET /health HTTP/1.1\r\nHost: kumiko\r\n\r\n"); err != nil {
+			t.Fatal(err)
+		}
+		return bufio.NewReader(conn)
+	}
+	answered := func(conn net.Conn, r *bufio.Reader, within time.Duration) int {
+		t.Helper()
+		conn.SetReadDeadline(time.Now().Add(within))
+		res, err := http.ReadResponse(r, nil)
+		if err != nil {
+			t.Fatalf("no answer within %s: %v", within, err)
+		}
+		res.Body.Close()
+		return res.StatusCode
+	}
+	// Two keep-alive connections, each answered once and left open, fill the cap.
+	held := []net.Conn{dialBase(t, api), dialBase(t, api)}
+	for _, conn := range held {
+		if code := answered(conn, ask(conn), 10*time.Second); code != http.StatusOK {
+			t.Fatalf("GET /health on a held connection: %d", code)
+		}
+	}
+	waitFor(t, 10*time.Second, "kumiko_api_connections to reach the cap of 2", func() bool {
+		n, err := scrapeMetric(ops, "kumiko_api_connections")
+		return err == nil && n == 2
+	})
+
+	// The third connects (the kernel completes the handshake) but is not
+	// accepted: its request is not read. Without the cap the answer comes
+	// in about a millisecond.
+	third := dialBase(t, api)
+	r := ask(third)
+	third.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	if b, err := r.Peek(1); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a connection past the cap was answered: %q, %v", b, err)
+	}
+	if code, _, _, err := get(t, http.DefaultClient, ops+"/health/ready"); err != nil || code != http.StatusOK {
+		t.Fatalf("ops /health/ready at the cap: %d, %v", code, err)
+	}
+
+	// One held connection closes: the waiting one is accepted and answered.
+	held[0].Close()
+	if code := answered(third, r, 10*time.Second); code != http.StatusOK {
+		t.Fatalf("GET /health on the connection that waited: %d", code)
 	}
 }

@@ -77,6 +77,8 @@ type metrics struct {
 	httpRequests         *prometheus.CounterVec
 	httpDuration         *prometheus.HistogramVec
 	admissionLimit       prometheus.Gauge
+	apiConns             prometheus.Gauge
+	apiConnsMax          prometheus.Gauge
 	admissionInFlight    prometheus.Gauge
 	admissionShed        prometheus.Counter
 	admissionBaseline    prometheus.Gauge
@@ -138,6 +140,12 @@ func newMetrics() *metrics {
 		}, []string{"route"}),
 		admissionLimit: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "api_concurrency_limit", Help: "API requests this instance works on at once before it sheds the next (admission.go); it follows their latency.",
+		}),
+		apiConns: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: metricNamespace, Name: "api_connections", Help: "Connections open on the API port, event streams included.",
+		}),
+		apiConnsMax: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: metricNamespace, Name: "api_connections_max", Help: "KUMIKO_API_MAX_CONNS: at this many open connections the API port stops accepting until one closes (0: no cap).",
 		}),
 		admissionInFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "api_concurrency_in_flight", Help: "API requests admitted by the concurrency limit and not yet answered.",
@@ -226,7 +234,7 @@ func newMetrics() *metrics {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.state, m.stateChanges, m.phaseDuration, m.startupDuration, m.shutdownStep, m.shutdownForced,
-		m.httpInFlight, m.httpRequests, m.httpDuration, m.admissionLimit, m.admissionInFlight, m.admissionShed, m.admissionBaseline, m.readinessOK, m.readinessProbes, m.panics,
+		m.httpInFlight, m.httpRequests, m.httpDuration, m.admissionLimit, m.apiConns, m.apiConnsMax, m.admissionInFlight, m.admissionShed, m.admissionBaseline, m.readinessOK, m.readinessProbes, m.panics,
 		m.connectAttempts, m.heartbeatWritten,
 		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxWakeFailed, m.outboxSequenceFailed, m.outboxLatency,
 		m.sseStreams, m.sseDropped, m.sseSendLag, m.leader, m.leaderTransitions, m.leaderFenced, m.leaderFencedTotal, m.jobs, m.jobDuration,

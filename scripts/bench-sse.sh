@@ -57,7 +57,7 @@ export KUMIKO_LOG_FORMAT=json KUMIKO_SSE_MAX_STREAMS_PER_IP=0 KUMIKO_API_RATE_LI
 export KUMIKO_LINGER=${KUMIKO_LINGER:-0}
 
 if [ "$MODE" = fanout ]; then
-  export KUMIKO_SSE_MAX_STREAMS=20000 # above the largest N
+  export KUMIKO_SSE_MAX_STREAMS=20000 KUMIKO_API_MAX_CONNS=21000 # above the largest N; the connection cap above the streams
   for n in $STREAMS; do
     echo
     if ((n + 100 > $(ulimit -n))); then
@@ -76,6 +76,7 @@ if [ "$MODE" = fanout ]; then
 fi
 
 export KUMIKO_SSE_MAX_STREAMS=${KUMIKO_SSE_MAX_STREAMS:-5000}
+export KUMIKO_API_MAX_CONNS=${KUMIKO_API_MAX_CONNS:-$((KUMIKO_SSE_MAX_STREAMS + 1000))}
 spread=${KUMIKO_SSE_RECONNECT_SPREAD:-}
 declare -A results
 for jitter in $JITTER; do
