@@ -25,7 +25,6 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/sirupsen/logrus"
 	"go.opentelemetry.io/otel/trace"
-	"golang.org/x/net/netutil"
 )
 
 // ---------------------------------------------------------------------------
@@ -187,13 +186,62 @@ type httpServer struct {
 // overload), and a client past its timeout opens another while the first is
 // still queued: uncapped, an overload grows the process until the memory
 // limit kills it, on every instance at once. At the cap the listener stops
-// accepting (netutil.LimitListener, as HAProxy and nginx do at maxconn): new
+// accepting (capListener, as HAProxy and nginx do at maxconn): new
 // connections wait in the kernel's accept queue, then their SYNs are
 // dropped and retried by the client, none of it in this process's memory.
 // Probes are unaffected: they use the ops port, which has no cap.
 type connCap struct {
 	max  int
 	open prometheus.Gauge // the connections open now
+}
+
+// capListener accepts a connection only while fewer than cap(slots) are
+// open. It is netutil.LimitListener's logic, but the connections it returns
+// are still TCP connections: the event stream sizes its socket's send buffer
+// (limitSendBuffer), and netutil's wrapper hides the socket behind net.Conn.
+type capListener struct {
+	*net.TCPListener
+	slots     chan struct{} // one per open connection
+	done      chan struct{} // closed by Close: a waiting Accept gives up
+	closeOnce sync.Once
+}
+
+func newCapListener(ln *net.TCPListener, max int) *capListener {
+	return &capListener{TCPListener: ln, slots: make(chan struct{}, max), done: make(chan struct{})}
+}
+
+// Accept waits for a free slot, then for a connection.
+func (l *capListener) Accept() (net.Conn, error) {
+	select {
+	case l.slots <- struct{}{}:
+	case <-l.done:
+		return nil, net.ErrClosed
+	}
+	c, err := l.AcceptTCP()
+	if err != nil {
+		<-l.slots
+		return nil, err
+	}
+	return &cappedConn{TCPConn: c, release: func() { <-l.slots }}, nil
+}
+
+func (l *capListener) Close() error {
+	l.closeOnce.Do(func() { close(l.done) })
+	return l.TCPListener.Close()
+}
+
+// cappedConn gives its slot back when it is closed, once, however often
+// Close is called (net/http and a drain may both close it).
+type cappedConn struct {
+	*net.TCPConn
+	release     func()
+	releaseOnce sync.Once
+}
+
+func (c *cappedConn) Close() error {
+	err := c.TCPConn.Close()
+	c.releaseOnce.Do(c.release)
+	return err
 }
 
 // listenHTTP binds addr and serves h on it from one owned goroutine. A Serve
@@ -205,7 +253,7 @@ func listenHTTP(c component, addr string, h http.Handler, hc httpConfig, conns c
 		return nil, fmt.Errorf("binding the %s listener: %w", c, err)
 	}
 	if conns.max > 0 {
-		ln = netutil.LimitListener(ln, conns.max)
+		ln = newCapListener(ln.(*net.TCPListener), conns.max) // net.Listen("tcp") is always one
 	}
 	silent := &silentConns{since: map[net.Conn]time.Time{}}
 	clients := &traffic{since: time.Now()}

@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/base64"
+	"errors"
 	"io"
+	"net"
 	"net/http"
 	"regexp"
 	"strconv"
@@ -153,5 +155,49 @@ func TestIPRateLimiterIsBoundedAndPerIP(t *testing.T) {
 	}
 	if wait := l.reserve("192.0.2.2", now); wait != 0 {
 		t.Fatalf("another IP waits %s", wait)
+	}
+}
+
+// The connection cap's listener: an Accept waiting for a free slot returns
+// as soon as the listener is closed (the drain closes it, possibly at the
+// cap), and a connection closed twice gives its slot back once.
+func TestCapListenerStopsWaitingWhenClosed(t *testing.T) {
+	base, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := newCapListener(base.(*net.TCPListener), 1)
+	client, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	held, err := l.Accept() // takes the only slot
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := held.(interface{ SetWriteBuffer(int) error }); !ok {
+		t.Errorf("an accepted %T cannot size its send buffer (limitSendBuffer)", held)
+	}
+
+	waiting := make(chan error, 1)
+	go func() {
+		_, err := l.Accept() // no slot free: waits
+		waiting <- err
+	}()
+	l.Close()
+	select {
+	case err := <-waiting:
+		if !errors.Is(err, net.ErrClosed) {
+			t.Errorf("Accept after Close: %v, want net.ErrClosed", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Accept still waits for a slot 10 s after the listener was closed")
+	}
+
+	held.Close()
+	held.Close()
+	if n := len(l.slots); n != 0 {
+		t.Errorf("%d slots taken after the only connection was closed twice, want 0", n)
 	}
 }

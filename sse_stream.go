@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"sync"
 	"time"
@@ -139,7 +138,8 @@ func (h *sseHub) sendFrames(s *sseStream, w http.ResponseWriter, frames []feedFr
 // so a blocked write wakes after a few KB reached the client instead of a
 // third of a buffer the kernel may have grown to megabytes (see sendChunk).
 func limitSendBuffer(ctx context.Context) {
-	if tc, ok := ctx.Value(connKey{}).(*net.TCPConn); ok {
+	// A *net.TCPConn, or the API listener's cappedConn around one.
+	if tc, ok := ctx.Value(connKey{}).(interface{ SetWriteBuffer(bytes int) error }); ok {
 		_ = tc.SetWriteBuffer(sendBuffer) // best effort: the chunked writes still bound each wait
 	}
 }
