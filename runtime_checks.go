@@ -27,6 +27,11 @@ const cgroupRoot = "/sys/fs/cgroup"
 // suboptimal one is a warning.
 func (a *app) runtimeChecks(ctx context.Context, p *phaseRun) error {
 	facts, warnings, err := inspectRuntime(cgroupRoot)
+	if fds, ok := facts["fd_limit"].(uint64); ok {
+		if w := fdsForConnCap(fds, a.cfg.HTTP.MaxConns); w != "" {
+			warnings = append(warnings, w)
+		}
+	}
 	a.log.WithField("component", "lifecycle").WithField("phase", p.name).WithFields(facts).Info("runtime")
 	if err != nil {
 		return err
@@ -35,6 +40,18 @@ func (a *app) runtimeChecks(ctx context.Context, p *phaseRun) error {
 		p.warn(strings.Join(warnings, "; "))
 	}
 	return nil
+}
+
+// fdsForConnCap warns when the open-file limit is reached before the API's
+// connection cap: accepts would then fail (EMFILE) while the cap still has
+// room, and the pools, logs and streams would fail with them. It leaves
+// minOpenFiles for everything that is not an API connection.
+func fdsForConnCap(fdLimit uint64, maxConns uint) string {
+	if maxConns == 0 || fdLimit >= uint64(maxConns)+minOpenFiles {
+		return ""
+	}
+	return fmt.Sprintf("open-file limit %d is below KUMIKO_API_MAX_CONNS (%d) plus %d for the rest: "+
+		"raise `ulimit -n` or lower the cap, or accepts fail before the cap is reached", fdLimit, maxConns, minOpenFiles)
 }
 
 // inspectRuntime reads the Go version, GOMAXPROCS and GOMEMLIMIT against the
