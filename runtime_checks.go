@@ -44,7 +44,7 @@ func (a *app) runtimeChecks(ctx context.Context, p *phaseRun) error {
 
 // fdsForConnCap warns when the open-file limit is reached before the API's
 // connection cap: accepts would then fail (EMFILE) while the cap still has
-// room, and the pools, logs and streams would fail with them. It leaves
+// room, and the database and Redis connections would fail with them. It leaves
 // minOpenFiles for everything that is not an API connection.
 func fdsForConnCap(fdLimit uint64, maxConns uint) string {
 	if maxConns == 0 || fdLimit >= uint64(maxConns)+minOpenFiles {
