@@ -187,8 +187,9 @@ type httpServer struct {
 // still queued: uncapped, an overload grows the process until the memory
 // limit kills it, on every instance at once. At the cap the listener stops
 // accepting (capListener, as HAProxy and nginx do at maxconn): new
-// connections wait in the kernel's accept queue, then their SYNs are
-// dropped and retried by the client, none of it in this process's memory.
+// connections wait in the kernel's accept queue, and past its length their
+// SYNs are dropped and retried by the client, none of it in this process's
+// memory.
 // Probes are unaffected: they use the ops port, which has no cap.
 type connCap struct {
 	max  int

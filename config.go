@@ -111,11 +111,10 @@ type httpConfig struct {
 	// Admission control (admission.go): the adaptive concurrency limit
 	// stays from ConcurrencyMin to ConcurrencyMax (0: off) and shrinks when
 	// the median latency passes LatencyTolerance percent of its baseline.
-	ConcurrencyMin   uint
-	ConcurrencyMax   uint
-	LatencyTolerance uint
-	// MaxConns bounds the API listener's open connections (0: no cap).
-	MaxConns          uint
+	ConcurrencyMin    uint
+	ConcurrencyMax    uint
+	LatencyTolerance  uint
+	MaxConns          uint // the API listener's open connections, at most (0: no cap)
 	DependencyTimeout time.Duration
 	SlowMax           time.Duration
 	DemoEndpoints     bool

@@ -28,6 +28,21 @@ func dialBase(t *testing.T, base string) net.Conn {
 	return conn
 }
 
+// rawHealthRequest is a keep-alive GET /health, for tests that hold a raw
+// connection open between requests.
+const rawHealthRequest = "GET /health HTTP/1.1\r\nHost: kumiko\r\n\r\n"
+
+// readAnswer reads one response from r within the given time, its body drained.
+func readAnswer(conn net.Conn, r *bufio.Reader, within time.Duration) (*http.Response, error) {
+	conn.SetReadDeadline(time.Now().Add(within))
+	resp, err := http.ReadResponse(r, nil)
+	if err == nil {
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	return resp, err
+}
+
 // waitClosed reads until the server closes the connection, and fails if it
 // is still open after within (which is many times the timeout under test).
 // Whatever the server sent before closing is returned.
@@ -155,19 +170,17 @@ func TestProcessAPIConnectionCap(t *testing.T) {
 
 	ask := func(conn net.Conn) *bufio.Reader {
 		t.Helper()
-		if _, err := io.WriteString(conn, "GET /health HTTP/1.1\r\nHost: kumiko\r\n\r\n"); err != nil {
+		if _, err := io.WriteString(conn, rawHealthRequest); err != nil {
 			t.Fatal(err)
 		}
 		return bufio.NewReader(conn)
 	}
 	answered := func(conn net.Conn, r *bufio.Reader, within time.Duration) int {
 		t.Helper()
-		conn.SetReadDeadline(time.Now().Add(within))
-		res, err := http.ReadResponse(r, nil)
+		res, err := readAnswer(conn, r, within)
 		if err != nil {
 			t.Fatalf("no answer within %s: %v", within, err)
 		}
-		res.Body.Close()
 		return res.StatusCode
 	}
 	// Two keep-alive connections, each answered once and left open, fill the cap.

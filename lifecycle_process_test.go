@@ -203,16 +203,10 @@ func TestProcessIdleKeepAliveSurvivesTheStartOfTheDrain(t *testing.T) {
 	conn := dialBase(t, api)
 	r := bufio.NewReader(conn)
 	ask := func() (*http.Response, error) {
-		conn.SetDeadline(time.Now().Add(5 * time.Second))
-		if _, err := io.WriteString(conn, "GET /health HTTP/1.1\r\nHost: api\r\n\r\n"); err != nil {
+		if _, err := io.WriteString(conn, rawHealthRequest); err != nil {
 			return nil, err
 		}
-		resp, err := http.ReadResponse(r, nil)
-		if err == nil {
-			io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-		}
-		return resp, err
+		return readAnswer(conn, r, 5*time.Second)
 	}
 	if resp, err := ask(); err != nil || resp.StatusCode != 200 || resp.Close {
 		t.Fatalf("before SIGTERM: %v %v, want 200 keep-alive", resp, err)

@@ -474,15 +474,12 @@ func TestProcessServerTimeouts(t *testing.T) {
 	for name, base := range map[string]string{"api": api, "ops": ops} {
 		t.Run("idle keep-alive closed/"+name, func(t *testing.T) {
 			conn := dialBase(t, base)
-			fmt.Fprintf(conn, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+			io.WriteString(conn, rawHealthRequest)
 			br := bufio.NewReader(conn)
-			conn.SetReadDeadline(time.Now().Add(5 * time.Second))
-			resp, err := http.ReadResponse(br, nil)
+			resp, err := readAnswer(conn, br, 5*time.Second)
 			if err != nil {
 				t.Fatal(err)
 			}
-			io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
 			if resp.StatusCode != 200 || resp.Close {
 				t.Fatalf("first request: %d, close=%t; want a kept-alive 200", resp.StatusCode, resp.Close)
 			}
