@@ -258,9 +258,7 @@ func TestAdmissionShedsWith503AndRetryAfter(t *testing.T) {
 // event stream, /api/slow and the ops port still answer. Once the slot is
 // free the API request is served.
 func TestAdmissionNeverShedsHealthStreamsOrTheOpsPort(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_API_CONCURRENCY_MIN"], env["KUMIKO_API_CONCURRENCY_MAX"] = "1", "1"
-	s := startInProcess(t, env)
+	s := startInProcess(t, fastEnv(t, "KUMIKO_API_CONCURRENCY_MIN=1", "KUMIKO_API_CONCURRENCY_MAX=1"))
 	get := func(url string) *http.Response {
 		t.Helper()
 		res, err := http.Get(url)

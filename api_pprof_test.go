@@ -22,16 +22,7 @@ func TestPprofNeedsTheAdminToken(t *testing.T) {
 		return srv
 	}
 	get := func(url, auth string) (int, string) {
-		req, _ := http.NewRequest(http.MethodGet, url, nil)
-		if auth != "" {
-			req.Header.Set("Authorization", auth)
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatalf("GET %s: %v", url, err)
-		}
-		defer resp.Body.Close()
-		body, _ := io.ReadAll(resp.Body)
+		resp, body := getBody(t, url, auth)
 		return resp.StatusCode, string(body)
 	}
 

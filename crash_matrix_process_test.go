@@ -169,9 +169,10 @@ type crashMatrix struct {
 }
 
 func newCrashMatrix(t *testing.T) *crashMatrix {
-	env := fastEnv(t)
-	env["MEILI_URL"] = newMeiliDouble(t, "available").srv.URL // order.created → indexOrder
-	s3 := testS3(t)                                           // order.created → writeReceipt
+	env := fastEnv(t,
+		"MEILI_URL="+newMeiliDouble(t, "available").srv.URL, // order.created → indexOrder
+	)
+	s3 := testS3(t) // order.created → writeReceipt
 	env["S3_ENDPOINT"], env["S3_ACCESS_KEY"], env["S3_SECRET_KEY"], env["S3_BUCKET"] = s3.Endpoint, s3.AccessKey, s3.SecretKey, "receipts"
 	env["KUMIKO_LEADER_LOCK_TTL"], env["KUMIKO_LEADER_RENEW_INTERVAL"] = crashLeaderTTL.String(), "250ms"
 	// The next boot takes over the dead victim's entry among the pollers

@@ -182,8 +182,7 @@ func mustTime(t *testing.T, s string) time.Time {
 // A purge cron that never fires: the boot stops in phase 6 naming it, before
 // anything connects (it used to boot, and its leader spun at 98 % CPU).
 func TestProcessRefusesCronSpecsThatCannotWork(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_OUTBOX_PURGE_CRON"] = "0 0 30 2 *"
+	env := fastEnv(t, "KUMIKO_OUTBOX_PURGE_CRON=0 0 30 2 *")
 	refusedInPhase6(t, env, `cron "0 0 30 2 *" for job purgeOutbox: it never ticks`)
 }
 

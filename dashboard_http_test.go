@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -16,12 +15,7 @@ import (
 // it this instance's state, boot timeline, the leader and the live workers.
 func TestDashboardAndInstanceEndpoint(t *testing.T) {
 	s := startInProcess(t, fastEnv(t))
-	resp, err := http.Get(apiURL(s) + "/")
-	if err != nil {
-		t.Fatal(err)
-	}
-	page, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
+	resp, page := getBody(t, apiURL(s)+"/", "")
 	if resp.StatusCode != 200 || !strings.Contains(resp.Header.Get("Content-Type"), "text/html") ||
 		!strings.Contains(string(page), `new EventSource("/api/events")`) {
 		t.Fatalf("GET / = %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))

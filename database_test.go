@@ -12,9 +12,10 @@ import (
 // that waits for the row goes on, instead of failing at lock_timeout or
 // waiting for the frozen instance to wake.
 func TestIdleTransactionIsEndedAndItsLockFreed(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_DB_IDLE_IN_TRANSACTION_TIMEOUT"] = "300ms"
-	env["KUMIKO_DB_LOCK_TIMEOUT"] = "30s" // the wait below ends by the idle timeout, not by this
+	env := fastEnv(t,
+		"KUMIKO_DB_IDLE_IN_TRANSACTION_TIMEOUT=300ms",
+		"KUMIKO_DB_LOCK_TIMEOUT=30s", // the wait below ends by the idle timeout, not by this
+	)
 	s := startInProcess(t, env)
 	defer s.stop(t)
 	ctx := context.Background()

@@ -28,8 +28,7 @@ func lingerEnded(t *testing.T, p *proc) map[string]any {
 // Nobody sends anything: the linger lasts one probe period, not KUMIKO_LINGER.
 func TestLingerWithoutTrafficEndsAfterOneProbePeriod(t *testing.T) {
 	t.Parallel()
-	env := fastEnv(t)
-	env["KUMIKO_LINGER"], env["KUMIKO_READINESS_PROBE_PERIOD"], env["KUMIKO_SHUTDOWN_TIMEOUT"] = "5s", "300ms", "20s"
+	env := fastEnv(t, "KUMIKO_LINGER=5s", "KUMIKO_READINESS_PROBE_PERIOD=300ms", "KUMIKO_SHUTDOWN_TIMEOUT=20s")
 	p := startProc(t, env)
 	p.waitReady()
 	sent := time.Now()
@@ -50,9 +49,7 @@ func TestLingerWithoutTrafficEndsAfterOneProbePeriod(t *testing.T) {
 // from the last client before it.
 func TestFixedLingerLastsWithoutTraffic(t *testing.T) {
 	t.Parallel()
-	env := fastEnv(t)
-	env["KUMIKO_LINGER"], env["KUMIKO_LINGER_QUIET"], env["KUMIKO_READINESS_PROBE_PERIOD"] = "1s", "1s", "100ms"
-	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "20s"
+	env := fastEnv(t, "KUMIKO_LINGER=1s", "KUMIKO_LINGER_QUIET=1s", "KUMIKO_READINESS_PROBE_PERIOD=100ms", "KUMIKO_SHUTDOWN_TIMEOUT=20s")
 	p := startProc(t, env)
 	p.waitReady()
 	p.signal(syscall.SIGTERM)
@@ -79,9 +76,7 @@ func TestLingerLastsWhileRequestsComeAndEndsWhenTheyStop(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			env := fastEnv(t)
-			env["KUMIKO_LINGER"], env["KUMIKO_READINESS_PROBE_PERIOD"], env["KUMIKO_LINGER_QUIET"] = tc.linger, "100ms", "900ms"
-			env["KUMIKO_SHUTDOWN_TIMEOUT"] = "20s"
+			env := fastEnv(t, "KUMIKO_LINGER="+tc.linger, "KUMIKO_READINESS_PROBE_PERIOD=100ms", "KUMIKO_LINGER_QUIET=900ms", "KUMIKO_SHUTDOWN_TIMEOUT=20s")
 			p := startProc(t, env)
 			_, api := p.waitReady()
 			client := &http.Client{Timeout: 5 * time.Second}
@@ -138,8 +133,7 @@ func TestDrainRejectModes(t *testing.T) {
 	for _, mode := range []string{"refuse", "retry-after"} {
 		t.Run(mode, func(t *testing.T) {
 			t.Parallel()
-			env := fastEnv(t)
-			env["KUMIKO_DRAIN_REJECT"] = mode
+			env := fastEnv(t, "KUMIKO_DRAIN_REJECT="+mode)
 			p := startProc(t, env)
 			ops, api := p.waitReady()
 			slow := make(chan answer, 1)
@@ -179,10 +173,7 @@ func TestDrainRejectModes(t *testing.T) {
 // instance and completes, and the drain says so (event=job_interrupted).
 func TestProcessInterruptedJobSpendsNoAttempt(t *testing.T) {
 	t.Parallel()
-	env := leaderEnv(t)
-	env["KUMIKO_LINGER"] = "0"
-	env["KUMIKO_DRAIN_TIMEOUT"] = "200ms"
-	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "1500ms"
+	env := leaderEnv(t, "KUMIKO_LINGER=0", "KUMIKO_DRAIN_TIMEOUT=200ms", "KUMIKO_SHUTDOWN_TIMEOUT=1500ms")
 	a := startAs(t, env, "a")
 	a.waitReady()
 	pool := sharedPool(t, env)

@@ -128,9 +128,10 @@ func TestProcessReadinessDetailsOnlyOnOpsPort(t *testing.T) {
 // OTLP endpoint credentials and header values are secrets: not in the log,
 // not in the ops readiness body, not on the dashboard.
 func TestProcessOTLPCredentialsMasked(t *testing.T) {
-	env := fastEnv(t)
-	env["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://otlp-user:otlp-Pa55word@127.0.0.1:1/?token=otlp-query-token" // nothing listens
-	env["OTEL_EXPORTER_OTLP_HEADERS"] = "x-api-key=otlp-header-secret"
+	env := fastEnv(t,
+		"OTEL_EXPORTER_OTLP_ENDPOINT=http://otlp-user:otlp-Pa55word@127.0.0.1:1/?token=otlp-query-token", // nothing listens
+		"OTEL_EXPORTER_OTLP_HEADERS=x-api-key=otlp-header-secret",
+	)
 	p := startProc(t, env)
 	ops, api := p.waitReady()
 	// The failed endpoint is reported (masked) by the observability phase.
@@ -162,9 +163,7 @@ func TestProcessOTLPCredentialsMasked(t *testing.T) {
 // process nothing, until one of the open ones closes. The ops port, where the
 // probes go, still answers.
 func TestProcessAPIConnectionCap(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_API_MAX_CONNS"] = "2"
-	env["KUMIKO_SSE_MAX_STREAMS"] = "1"
+	env := fastEnv(t, "KUMIKO_API_MAX_CONNS=2", "KUMIKO_SSE_MAX_STREAMS=1")
 	p := startProc(t, env)
 	ops, api := p.waitReady()
 

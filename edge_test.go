@@ -18,8 +18,7 @@ import (
 
 // /api/slow checks ms before multiplying and caps it at KUMIKO_SLOW_MAX.
 func TestSlowEndpointValidatesAndCaps(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_SLOW_MAX"] = "1s"
+	env := fastEnv(t, "KUMIKO_SLOW_MAX=1s")
 	s := startInProcess(t, env)
 	for _, ms := range []string{"18446744073710", "9223372036854775807", "99999999999999999999", "-1", "1001", "abc", "", "1.5"} {
 		code, _, body, err := get(t, http.DefaultClient, apiURL(s)+"/api/slow?ms="+ms)
@@ -35,8 +34,7 @@ func TestSlowEndpointValidatesAndCaps(t *testing.T) {
 
 // KUMIKO_DEMO_ENDPOINTS=false does not register /api/slow: a JSON 404.
 func TestDemoEndpointsOff(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_DEMO_ENDPOINTS"] = "false"
+	env := fastEnv(t, "KUMIKO_DEMO_ENDPOINTS=false")
 	s := startInProcess(t, env)
 	code, _, body, err := get(t, http.DefaultClient, apiURL(s)+"/api/slow?ms=1")
 	errBody, _ := body["error"].(map[string]any)
@@ -49,12 +47,7 @@ func TestDemoEndpointsOff(t *testing.T) {
 // own inline script and style (by hash), never 'unsafe-inline'.
 func TestDashboardSecurityHeaders(t *testing.T) {
 	s := startInProcess(t, fastEnv(t))
-	resp, err := http.Get(apiURL(s) + "/")
-	if err != nil {
-		t.Fatal(err)
-	}
-	page, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
+	resp, page := getBody(t, apiURL(s)+"/", "")
 	h := resp.Header
 	csp := h.Get("Content-Security-Policy")
 	if h.Get("X-Content-Type-Options") != "nosniff" || h.Get("X-Frame-Options") != "DENY" ||
@@ -78,8 +71,9 @@ func TestDashboardSecurityHeaders(t *testing.T) {
 // warning can carry an endpoint or error text), the leader and the workers,
 // and a storm of requests is a handful of Redis SCANs, not one per request.
 func TestInstanceEndpointIsPublicSafeAndCached(t *testing.T) {
-	env := fastEnv(t)
-	env["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://user:otlp-pass@127.0.0.1:1" // nothing listens: a warning
+	env := fastEnv(t,
+		"OTEL_EXPORTER_OTLP_ENDPOINT=http://user:otlp-pass@127.0.0.1:1", // nothing listens: a warning
+	)
 	s := startInProcess(t, env)
 	scans := func() int {
 		info, err := s.app.redis.Info(context.Background(), "commandstats").Result()

@@ -80,8 +80,7 @@ func testOwnPostgres(t testing.TB) *ownPostgres {
 func ownPostgresEnv(t testing.TB) (*ownPostgres, map[string]string) {
 	t.Helper()
 	pg := testOwnPostgres(t)
-	env := fastEnv(t)
-	env["DATABASE_URL"] = pg.URL
+	env := fastEnv(t, "DATABASE_URL="+pg.URL)
 	return pg, env
 }
 

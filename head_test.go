@@ -1,7 +1,6 @@
 package main
 
 import (
-	"io"
 	"net/http"
 	"testing"
 	"time"
@@ -12,8 +11,7 @@ import (
 // issue 33: the features' routes, /metrics and /admin were too). The event
 // stream answers HEAD with its headers at once instead of streaming.
 func TestHeadAnswersLikeGet(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
+	env := fastEnv(t, "KUMIKO_ADMIN_TOKEN="+testAdminToken)
 	s := startInProcess(t, env)
 	api, ops := apiURL(s), opsURL(s)
 	client := &http.Client{Timeout: 5 * time.Second} // a HEAD that streams would hang here
@@ -22,13 +20,7 @@ func TestHeadAnswersLikeGet(t *testing.T) {
 		do := func(method string) (*http.Response, []byte) {
 			req, _ := http.NewRequest(method, url, nil)
 			req.Header.Set("Authorization", "Bearer "+testAdminToken)
-			resp, err := client.Do(req)
-			if err != nil {
-				t.Fatalf("%s %s: %v", method, url, err)
-			}
-			defer resp.Body.Close()
-			body, _ := io.ReadAll(resp.Body)
-			return resp, body
+			return roundTrip(t, client, req)
 		}
 		get, _ := do(http.MethodGet)
 		head, body := do(http.MethodHead)

@@ -192,9 +192,7 @@ func TestHandlerPanicIsA500(t *testing.T) {
 // A shutdown hook that hangs past KUMIKO_SHUTDOWN_TIMEOUT makes the exit 1,
 // and the process does not wait for it beyond the budget.
 func TestHangingHookPastShutdownBudgetFails(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_LINGER"] = "0"
-	env["KUMIKO_DRAIN_TIMEOUT"] = "100ms"
+	env := fastEnv(t, "KUMIKO_LINGER=0", "KUMIKO_DRAIN_TIMEOUT=100ms")
 	// The hung hook gets the budget minus a reserve for each hook after it
 	// (hookDeadline); with about ten of them, 2 s leaves each some 80 ms,
 	// enough on a busy core. (500 ms left 15 ms each: under load the last
@@ -315,9 +313,7 @@ func TestOptionalAdaptersUpAndDown(t *testing.T) {
 		}
 	})
 	t.Run("down", func(t *testing.T) {
-		env := fastEnv(t)
-		env["MEILI_URL"] = "http://" + freeTCPAddr(t)
-		env["S3_ENDPOINT"], env["S3_ACCESS_KEY"], env["S3_SECRET_KEY"] = freeTCPAddr(t), "key", "secret-key-123"
+		env := fastEnv(t, "MEILI_URL=http://"+freeTCPAddr(t), "S3_ENDPOINT="+freeTCPAddr(t), "S3_ACCESS_KEY=key", "S3_SECRET_KEY=secret-key-123")
 		s := startInProcess(t, env)
 		for _, phase := range []string{"searchAdapter", "fileStorage"} {
 			if s.logs.find(map[string]any{"phase": phase, "outcome": "warn"}) == nil {

@@ -20,19 +20,19 @@ const testAdminToken = "test-admin-token-0123456789"
 
 // leaderEnv is fastEnv with leadership, heartbeats and cron shrunk to
 // fractions of a second (the cron tick: every second, robfig's minimum).
-func leaderEnv(t *testing.T) map[string]string {
-	env := fastEnv(t)
-	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
-	env["KUMIKO_LEADER_LOCK_TTL"] = "1s"
-	env["KUMIKO_LEADER_RENEW_INTERVAL"] = "250ms"
-	env["KUMIKO_HEARTBEAT_INTERVAL"] = "200ms"
-	env["KUMIKO_HEARTBEAT_TTL"] = "1s"
-	env["KUMIKO_OUTBOX_PURGE_CRON"] = "@every 1s"
-	env["KUMIKO_JOBS_POLL_INTERVAL"] = "100ms"
-	// A leader frozen inside its tick's transaction holds the fence row: the
-	// server ends that transaction after this, and the next leader goes on.
-	env["KUMIKO_DB_IDLE_IN_TRANSACTION_TIMEOUT"] = "2s"
-	return env
+func leaderEnv(t *testing.T, settings ...string) map[string]string {
+	return fastEnv(t, append([]string{
+		"KUMIKO_ADMIN_TOKEN=" + testAdminToken,
+		"KUMIKO_LEADER_LOCK_TTL=1s",
+		"KUMIKO_LEADER_RENEW_INTERVAL=250ms",
+		"KUMIKO_HEARTBEAT_INTERVAL=200ms",
+		"KUMIKO_HEARTBEAT_TTL=1s",
+		"KUMIKO_OUTBOX_PURGE_CRON=@every 1s",
+		"KUMIKO_JOBS_POLL_INTERVAL=100ms",
+		// A leader frozen inside its tick's transaction holds the fence row: the
+		// server ends that transaction after this, and the next leader goes on.
+		"KUMIKO_DB_IDLE_IN_TRANSACTION_TIMEOUT=2s",
+	}, settings...)...)
 }
 
 func startAs(t *testing.T, env map[string]string, id string) *proc {
@@ -130,10 +130,11 @@ func TestProcessLeaderKill9Failover(t *testing.T) {
 // 3. SIGTERM of the leader: it deletes its own key and tells the follower,
 // which leads at once instead of after the TTL.
 func TestProcessLeaderSIGTERMHandsOver(t *testing.T) {
-	env := leaderEnv(t)
-	env["KUMIKO_LEADER_LOCK_TTL"] = "10s" // expiry would take 10s: a fast take-over proves the hand-over
-	env["KUMIKO_LEADER_RENEW_INTERVAL"] = "3s"
-	env["KUMIKO_LINGER"] = "0"
+	env := leaderEnv(t,
+		"KUMIKO_LEADER_LOCK_TTL=10s", // expiry would take 10s: a fast take-over proves the hand-over
+		"KUMIKO_LEADER_RENEW_INTERVAL=3s",
+		"KUMIKO_LINGER=0",
+	)
 	a := startAs(t, env, "a")
 	becameLeader(a, 10*time.Second)
 	b := startAs(t, env, "b")
@@ -193,12 +194,13 @@ func TestProcessSplitBrainIsFenced(t *testing.T) {
 // 8. Cron timing: "@every 2s" with a 1s renew interval (and heartbeats every
 // 500ms, which used to push the next tick back at every beat) fires every 2s.
 func TestProcessCronEveryFiresOnTime(t *testing.T) {
-	env := leaderEnv(t)
-	env["KUMIKO_OUTBOX_PURGE_CRON"] = "@every 2s"
-	env["KUMIKO_LEADER_LOCK_TTL"] = "3s"
-	env["KUMIKO_LEADER_RENEW_INTERVAL"] = "1s"
-	env["KUMIKO_HEARTBEAT_INTERVAL"] = "500ms"
-	env["KUMIKO_HEARTBEAT_TTL"] = "2s"
+	env := leaderEnv(t,
+		"KUMIKO_OUTBOX_PURGE_CRON=@every 2s",
+		"KUMIKO_LEADER_LOCK_TTL=3s",
+		"KUMIKO_LEADER_RENEW_INTERVAL=1s",
+		"KUMIKO_HEARTBEAT_INTERVAL=500ms",
+		"KUMIKO_HEARTBEAT_TTL=2s",
+	)
 	a := startAs(t, env, "a")
 	led := becameLeader(a, 10*time.Second)
 	pool := sharedPool(t, env)
@@ -230,10 +232,7 @@ func TestProcessCronEveryFiresOnTime(t *testing.T) {
 // the fence. The leader says "fenced" (log, metric, readiness), acquires a
 // token above the fence, and ticks resume within 2 × the lock TTL.
 func TestProcessFlushallFencesAndTicksResume(t *testing.T) {
-	env := leaderEnv(t)
-	env["KUMIKO_LEADER_LOCK_TTL"] = "2s"
-	env["KUMIKO_LEADER_RENEW_INTERVAL"] = "500ms"
-	env["KUMIKO_HEARTBEAT_TTL"] = "2s"
+	env := leaderEnv(t, "KUMIKO_LEADER_LOCK_TTL=2s", "KUMIKO_LEADER_RENEW_INTERVAL=500ms", "KUMIKO_HEARTBEAT_TTL=2s")
 	a := startAs(t, env, "a")
 	becameLeader(a, 10*time.Second)
 	ops, _ := a.waitReady()
@@ -304,10 +303,7 @@ func currentLeaderFromPool(t *testing.T, env map[string]string) (string, error) 
 // 6. SIGTERM while jobs run: a short one finishes within the drain; one longer
 // than the budget is stopped, stays durable, and runs again later.
 func TestProcessJobsAcrossADrain(t *testing.T) {
-	env := leaderEnv(t)
-	env["KUMIKO_LINGER"] = "0"
-	env["KUMIKO_DRAIN_TIMEOUT"] = "200ms"
-	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "1500ms"
+	env := leaderEnv(t, "KUMIKO_LINGER=0", "KUMIKO_DRAIN_TIMEOUT=200ms", "KUMIKO_SHUTDOWN_TIMEOUT=1500ms")
 	a := startAs(t, env, "a")
 	opsA, _ := a.waitReady()
 	pool := sharedPool(t, env)
@@ -338,9 +334,7 @@ func TestProcessJobsAcrossADrain(t *testing.T) {
 // on the other instance. River rescues after KUMIKO_JOBS_RESCUE_AFTER; its
 // rescuer looks every 30s, so this test takes that long.
 func TestProcessJobOfCrashedWorkerIsRescued(t *testing.T) {
-	env := leaderEnv(t)
-	env["KUMIKO_JOBS_TIMEOUT"] = "1500ms"
-	env["KUMIKO_JOBS_RESCUE_AFTER"] = "2s"
+	env := leaderEnv(t, "KUMIKO_JOBS_TIMEOUT=1500ms", "KUMIKO_JOBS_RESCUE_AFTER=2s")
 	a := startAs(t, env, "a")
 	opsA, _ := a.waitReady()
 	pool := sharedPool(t, env)
@@ -442,9 +436,7 @@ func adminGet(t *testing.T, ops, path string) (int, http.Header, map[string]any)
 // delivered events older than KUMIKO_OUTBOX_RETENTION, in batches, and keeps
 // recent delivered, pending and dead events. Two instances, one tick each.
 func TestProcessOutboxRetention(t *testing.T) {
-	env := leaderEnv(t)
-	env["KUMIKO_OUTBOX_RETENTION"] = "1h"
-	env["KUMIKO_OUTBOX_PURGE_CRON"] = "@every 1s"
+	env := leaderEnv(t, "KUMIKO_OUTBOX_RETENTION=1h", "KUMIKO_OUTBOX_PURGE_CRON=@every 1s")
 	a, b := startAs(t, env, "a"), startAs(t, env, "b")
 	a.waitReady()
 	b.waitReady()

@@ -102,10 +102,11 @@ func TestProcessNormalBoot(t *testing.T) {
 // 2. DB down at boot: retries with growing delays, then exit 1 naming the
 // phase, the attempts and the last error.
 func TestProcessDBDownAtBoot(t *testing.T) {
-	env := fastEnv(t)
-	env["DATABASE_URL"] = "postgres://kumiko:s3cr3t-pw@" + freeTCPAddr(t) + "/kumiko?sslmode=disable"
-	env["KUMIKO_CONNECT_RETRY_BASE"] = "50ms"
-	env["KUMIKO_CONNECT_MAX_WAIT"] = "1s"
+	env := fastEnv(t,
+		"DATABASE_URL=postgres://kumiko:s3cr3t-pw@"+freeTCPAddr(t)+"/kumiko?sslmode=disable",
+		"KUMIKO_CONNECT_RETRY_BASE=50ms",
+		"KUMIKO_CONNECT_MAX_WAIT=1s",
+	)
 	p := startProc(t, env)
 	if code := p.wait(10 * time.Second); code != 1 {
 		t.Fatalf("exit code %d, want 1", code)
@@ -138,8 +139,7 @@ func TestProcessDBDownAtBoot(t *testing.T) {
 // 3. SIGTERM: readiness 503 at once, an in-flight request completes, new
 // connections are refused after the linger, exit 0 in time.
 func TestProcessSIGTERMDrain(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_LINGER"] = "500ms"
+	env := fastEnv(t, "KUMIKO_LINGER=500ms")
 	p := startProc(t, env)
 	ops, api := p.waitReady()
 
@@ -195,8 +195,7 @@ func TestProcessSIGTERMDrain(t *testing.T) {
 // request on it at that very moment. The request is answered, with
 // Connection: close, and only then is the connection closed.
 func TestProcessIdleKeepAliveSurvivesTheStartOfTheDrain(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_LINGER"] = "3s"
+	env := fastEnv(t, "KUMIKO_LINGER=3s")
 	p := startProc(t, env)
 	_, api := p.waitReady()
 
@@ -227,9 +226,10 @@ func TestProcessIdleKeepAliveSurvivesTheStartOfTheDrain(t *testing.T) {
 // hold the drain: net/http's Shutdown would count it as busy for 5 s, the
 // drain closes it once it has been silent for silentConnGrace.
 func TestProcessSilentConnectionDoesNotHoldTheDrain(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_LINGER"] = "0"
-	env["KUMIKO_HTTP_READ_HEADER_TIMEOUT"] = "60s" // net/http's own limit stays out of the way
+	env := fastEnv(t,
+		"KUMIKO_LINGER=0",
+		"KUMIKO_HTTP_READ_HEADER_TIMEOUT=60s", // net/http's own limit stays out of the way
+	)
 	p := startProc(t, env)
 	_, api := p.waitReady()
 
@@ -258,10 +258,7 @@ func TestProcessSilentConnectionDoesNotHoldTheDrain(t *testing.T) {
 // 4. A request longer than the drain timeout is force-closed with a warning,
 // and the process still exits within its budget.
 func TestProcessDrainTimeoutForceCloses(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_LINGER"] = "0"
-	env["KUMIKO_DRAIN_TIMEOUT"] = "300ms"
-	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "3s"
+	env := fastEnv(t, "KUMIKO_LINGER=0", "KUMIKO_DRAIN_TIMEOUT=300ms", "KUMIKO_SHUTDOWN_TIMEOUT=3s")
 	p := startProc(t, env)
 	ops, api := p.waitReady()
 
@@ -295,8 +292,7 @@ func TestProcessPortInUse(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ln.Close()
-	env := fastEnv(t)
-	env["KUMIKO_HTTP_ADDR"] = ln.Addr().String()
+	env := fastEnv(t, "KUMIKO_HTTP_ADDR="+ln.Addr().String())
 	p := startProc(t, env)
 	if code := p.wait(10 * time.Second); code != 1 {
 		t.Fatalf("exit code %d, want 1", code)
@@ -330,9 +326,10 @@ func TestProcessInvalidConfigListsEveryProblem(t *testing.T) {
 
 // 7. SIGHUP is ignored; a second SIGINT while draining forces exit 1 at once.
 func TestProcessSIGHUPIgnoredAndSecondSignalForces(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_LINGER"], env["KUMIKO_LINGER_QUIET"] = "20s", "20s" // a fixed linger: the second signal comes during it
-	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "60s"
+	env := fastEnv(t,
+		"KUMIKO_LINGER=20s", "KUMIKO_LINGER_QUIET=20s", // a fixed linger: the second signal comes during it
+		"KUMIKO_SHUTDOWN_TIMEOUT=60s",
+	)
 	env["KUMIKO_DRAIN_TIMEOUT"] = "30s"
 	p := startProc(t, env)
 	ops, _ := p.waitReady()
@@ -365,8 +362,7 @@ func TestProcessSIGHUPIgnoredAndSecondSignalForces(t *testing.T) {
 
 // 8. /health stays 200 and the ops listener stays up for the whole drain.
 func TestProcessOpsListenerServesThroughTheDrain(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_LINGER"] = "300ms"
+	env := fastEnv(t, "KUMIKO_LINGER=300ms")
 	p := startProc(t, env)
 	ops, api := p.waitReady()
 	go http.Get(api + "/api/slow?ms=700")
@@ -427,9 +423,10 @@ func TestProcessOpsListenerServesThroughTheDrain(t *testing.T) {
 
 // SIGTERM while still starting aborts the boot cleanly: exit 0.
 func TestProcessSIGTERMDuringBoot(t *testing.T) {
-	env := fastEnv(t)
-	env["DATABASE_URL"] = "postgres://kumiko@" + freeTCPAddr(t) + "/kumiko?sslmode=disable"
-	env["KUMIKO_CONNECT_MAX_WAIT"] = "60s"
+	env := fastEnv(t,
+		"DATABASE_URL=postgres://kumiko@"+freeTCPAddr(t)+"/kumiko?sslmode=disable",
+		"KUMIKO_CONNECT_MAX_WAIT=60s",
+	)
 	p := startProc(t, env)
 	ops := p.addr("ops")
 	p.waitLog(5*time.Second, map[string]any{"msg": "connect failed"})

@@ -87,8 +87,7 @@ func (r *otlpReceiver) named(prefix string) []receivedSpan {
 // the flush at exit works.
 func TestProcessTracesReachTheCollector(t *testing.T) {
 	rcv := newOTLPReceiver(t)
-	env := fastEnv(t)
-	env["OTEL_EXPORTER_OTLP_ENDPOINT"] = rcv.srv.URL
+	env := fastEnv(t, "OTEL_EXPORTER_OTLP_ENDPOINT="+rcv.srv.URL)
 	p := startProc(t, env)
 	ops, _ := p.waitReady()
 	if _, _, body, _ := get(t, http.DefaultClient, ops+"/health/ready"); body["checks"].(map[string]any)["observability"].(map[string]any)["provider"] != "otlp" {
@@ -144,8 +143,7 @@ func TestProcessTracesReachTheCollector(t *testing.T) {
 func TestProcessUnreachableCollectorFallsBackToNoop(t *testing.T) {
 	for name, endpoint := range map[string]string{"unreachable": "http://" + freeTCPAddr(t), "invalid": "::not a url"} {
 		t.Run(name, func(t *testing.T) {
-			env := fastEnv(t)
-			env["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
+			env := fastEnv(t, "OTEL_EXPORTER_OTLP_ENDPOINT="+endpoint)
 			p := startProc(t, env)
 			ops, _ := p.waitReady()
 			p.waitLog(time.Second, map[string]any{"phase": "observability", "outcome": "warn"})
@@ -293,12 +291,7 @@ func assertMetricsAfterBoot(t *testing.T, want []string) {
 	t.Helper()
 	p := startProc(t, fastEnv(t))
 	ops, _ := p.waitReady()
-	resp, err := http.Get(ops + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
+	_, raw := getBody(t, ops+"/metrics", "")
 	text := string(raw)
 	for _, line := range want {
 		if !strings.Contains(text, line+"\n") {

@@ -22,11 +22,12 @@ import (
 // partitionEnv is the environment of instances that share one database and
 // one Redis, with short heartbeats so a dead poller's share moves quickly.
 func partitionEnv(t *testing.T, ttl time.Duration) map[string]string {
-	env := fastEnv(t)
-	env["MEILI_URL"] = newMeiliDouble(t, "available").srv.URL // order.created → indexOrder
-	env["KUMIKO_HEARTBEAT_TTL"] = ttl.String()
-	env["KUMIKO_HEARTBEAT_INTERVAL"] = (ttl / 4).String()
-	env["KUMIKO_OUTBOX_BATCH_SIZE"] = "20"
+	env := fastEnv(t,
+		"MEILI_URL="+newMeiliDouble(t, "available").srv.URL, // order.created → indexOrder
+		"KUMIKO_HEARTBEAT_TTL="+ttl.String(),
+		"KUMIKO_HEARTBEAT_INTERVAL="+(ttl/4).String(),
+		"KUMIKO_OUTBOX_BATCH_SIZE=20",
+	)
 	return env
 }
 

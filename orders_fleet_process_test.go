@@ -49,10 +49,11 @@ func TestProcessFleetFaultsThroughHAProxy(t *testing.T) {
 	meili := newMeiliDouble(t, "available")
 	meiliProxy := proxyTo(t, tp, "meili", strings.TrimPrefix(meili.srv.URL, "http://"))
 
-	env := fastEnv(t)
-	env["REDIS_URL"] = withHost(t, rsrv.URL, redisProxy.Listen)
-	env["S3_ENDPOINT"], env["S3_ACCESS_KEY"], env["S3_SECRET_KEY"] = s3Proxy.Listen, s3.AccessKey, s3.SecretKey
-	env["MEILI_URL"] = "http://" + meiliProxy.Listen
+	env := fastEnv(t,
+		"REDIS_URL="+withHost(t, rsrv.URL, redisProxy.Listen),
+		"S3_ENDPOINT="+s3Proxy.Listen, "S3_ACCESS_KEY="+s3.AccessKey, "S3_SECRET_KEY="+s3.SecretKey,
+		"MEILI_URL=http://"+meiliProxy.Listen,
+	)
 	// A renew deadline of 5 s: a frozen Redis may cost the leadership once,
 	// a slow one (every renewal 1.2 s late) must not.
 	env["KUMIKO_LEADER_LOCK_TTL"], env["KUMIKO_LEADER_RENEW_INTERVAL"] = "6s", "1s"
@@ -248,14 +249,7 @@ func sampleReadiness(ctx context.Context, base string) <-chan probeSample {
 	go func() {
 		defer close(out)
 		client := &http.Client{Timeout: 5 * time.Second}
-		tick := time.NewTicker(20 * time.Millisecond)
-		defer tick.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-tick.C:
-			}
+		everyTick(ctx, 20*time.Millisecond, nil, func(context.Context) {
 			start := time.Now()
 			s := probeSample{}
 			if resp, err := client.Get(base + "/health/ready"); err == nil {
@@ -264,7 +258,7 @@ func sampleReadiness(ctx context.Context, base string) <-chan probeSample {
 			}
 			s.took = time.Since(start)
 			out <- s
-		}
+		})
 	}()
 	return out
 }

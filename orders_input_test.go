@@ -2,7 +2,6 @@ package main
 
 import (
 	"encoding/json"
-	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -12,8 +11,7 @@ import (
 // Every input a client controls is validated or refused with a 4xx naming
 // it (issue 20). "before" is what the service answered before the fix.
 func TestEveryClientInputIsValidatedOrRefused(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
+	env := fastEnv(t, "KUMIKO_ADMIN_TOKEN="+testAdminToken)
 	s := startInProcess(t, env)
 	api, ops := apiURL(s), opsURL(s)
 	order := func(customer, sku string) string {
@@ -61,12 +59,7 @@ func TestEveryClientInputIsValidatedOrRefused(t *testing.T) {
 			for k, v := range tc.header {
 				req.Header.Set(k, v)
 			}
-			resp, err := http.DefaultClient.Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			raw, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
+			resp, raw := roundTrip(t, nil, req)
 			var body struct{ Error errorBody }
 			_ = json.Unmarshal(raw, &body)
 			t.Logf("%s → before: %s; now: %d %s", tc.name, tc.before, resp.StatusCode, strings.TrimSpace(string(raw)))

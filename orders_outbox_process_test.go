@@ -110,9 +110,10 @@ func TestProcessTwoInstancesFanOut(t *testing.T) {
 // poller delivers those rows; none is lost. The batch is held by a lock on
 // river_job, where the delivery inserts the indexOrder jobs.
 func TestProcessCrashedPollerBatchIsRedelivered(t *testing.T) {
-	env := fastEnv(t)
-	env["MEILI_URL"] = newMeiliDouble(t, "available").srv.URL // order.created → indexOrder
-	env["KUMIKO_INSTANCE_ID"] = "crashy"
+	env := fastEnv(t,
+		"MEILI_URL="+newMeiliDouble(t, "available").srv.URL, // order.created → indexOrder
+		"KUMIKO_INSTANCE_ID=crashy",
+	)
 	// The survivor takes crashy's share once crashy's entry among the pollers expires.
 	env["KUMIKO_HEARTBEAT_TTL"], env["KUMIKO_HEARTBEAT_INTERVAL"] = "1s", "250ms"
 	crashy := startProc(t, env)
@@ -237,9 +238,7 @@ func TestProcessRedisDownDeliversEachJobOnce(t *testing.T) {
 // maximum attempts; the event committed with it and the ones behind it are
 // delivered.
 func TestProcessPoisonEventGoesDeadAlone(t *testing.T) {
-	env := fastEnv(t)
-	env["MEILI_URL"] = newMeiliDouble(t, "available").srv.URL
-	env["KUMIKO_OUTBOX_MAX_ATTEMPTS"] = "3"
+	env := fastEnv(t, "MEILI_URL="+newMeiliDouble(t, "available").srv.URL, "KUMIKO_OUTBOX_MAX_ATTEMPTS=3")
 	p := startProc(t, env)
 	_, api := p.waitReady()
 	pool := sharedPool(t, env)

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"net/url"
 	"regexp"
@@ -23,8 +22,7 @@ import (
 // no order id and no read token appears anywhere, and no order is answered.
 // The stream still shows that the orders flowed.
 func TestStrangerLearnsNothingAboutAnotherCustomer(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
+	env := fastEnv(t, "KUMIKO_ADMIN_TOKEN="+testAdminToken)
 	s := startInProcess(t, env)
 	api := apiURL(s)
 
@@ -157,18 +155,6 @@ func fillParams(path, v string) string {
 
 func strangerGet(t *testing.T, target, auth string) (int, string) {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodGet, target, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if auth != "" {
-		req.Header.Set("Authorization", auth)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatalf("GET %s: %v", target, err)
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
+	resp, body := getBody(t, target, auth)
 	return resp.StatusCode, string(body)
 }

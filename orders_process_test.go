@@ -308,10 +308,11 @@ func TestRedisBlackHoleAtBootMidRunAndInTheDrain(t *testing.T) {
 	tp := testToxiproxy(t)
 	rd := testRedis(t)
 	proxy := proxyTo(t, tp, "redis", rd.Addr)
-	env := fastEnv(t)
-	env["REDIS_URL"] = withHost(t, rd.URL, proxy.Listen)
-	env["KUMIKO_CONNECT_MAX_WAIT"] = "30s"
-	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "20s"
+	env := fastEnv(t,
+		"REDIS_URL="+withHost(t, rd.URL, proxy.Listen),
+		"KUMIKO_CONNECT_MAX_WAIT=30s",
+		"KUMIKO_SHUTDOWN_TIMEOUT=20s",
+	)
 
 	// At boot.
 	restore := blackHole(t, proxy)
@@ -464,10 +465,11 @@ func TestToxicLatencyResetAndBandwidth(t *testing.T) {
 // The server's timeouts hold against idle, slow-body and slow-header clients
 // on both listeners.
 func TestProcessServerTimeouts(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_HTTP_IDLE_TIMEOUT"] = "300ms"
-	env["KUMIKO_HTTP_READ_TIMEOUT"] = "300ms"
-	env["KUMIKO_HTTP_READ_HEADER_TIMEOUT"] = "200ms"
+	env := fastEnv(t,
+		"KUMIKO_HTTP_IDLE_TIMEOUT=300ms",
+		"KUMIKO_HTTP_READ_TIMEOUT=300ms",
+		"KUMIKO_HTTP_READ_HEADER_TIMEOUT=200ms",
+	)
 	p := startProc(t, env)
 	ops, api := p.waitReady()
 
@@ -520,9 +522,7 @@ func TestProcessServerTimeouts(t *testing.T) {
 // One client IP that bursts gets 429 with Retry-After; another IP is not
 // affected, nor are the health routes.
 func TestProcessRateLimitPerClientIP(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_API_RATE_LIMIT"] = "1"
-	env["KUMIKO_API_RATE_BURST"] = "3"
+	env := fastEnv(t, "KUMIKO_API_RATE_LIMIT=1", "KUMIKO_API_RATE_BURST=3")
 	p := startProc(t, env)
 	_, api := p.waitReady()
 
@@ -572,10 +572,11 @@ func TestProcessRateLimitBelievesOnlyTrustedProxies(t *testing.T) {
 		{"trusted", "127.0.0.1", true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			env := fastEnv(t)
-			env["KUMIKO_API_RATE_LIMIT"] = "1"
-			env["KUMIKO_API_RATE_BURST"] = "2"
-			env["KUMIKO_TRUSTED_PROXIES"] = tc.trusted
+			env := fastEnv(t,
+				"KUMIKO_API_RATE_LIMIT=1",
+				"KUMIKO_API_RATE_BURST=2",
+				"KUMIKO_TRUSTED_PROXIES="+tc.trusted,
+			)
 			p := startProc(t, env)
 			_, api := p.waitReady()
 			status := func(forwardedFor string) int {
@@ -609,10 +610,11 @@ func TestProcessRateLimitBelievesOnlyTrustedProxies(t *testing.T) {
 func TestOrderTraceReachesTheJob(t *testing.T) {
 	rcv := newOTLPReceiver(t)
 	meili := newMeiliDouble(t, "available")
-	env := fastEnv(t)
-	env["OTEL_EXPORTER_OTLP_ENDPOINT"] = rcv.srv.URL
-	env["MEILI_URL"] = meili.srv.URL
-	env["KUMIKO_JOBS_POLL_INTERVAL"] = "100ms"
+	env := fastEnv(t,
+		"OTEL_EXPORTER_OTLP_ENDPOINT="+rcv.srv.URL,
+		"MEILI_URL="+meili.srv.URL,
+		"KUMIKO_JOBS_POLL_INTERVAL=100ms",
+	)
 	p := startProc(t, env)
 	_, api := p.waitReady()
 	const traceID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -651,9 +653,7 @@ func TestProcessOrderCountersStartAtZero(t *testing.T) {
 // Two crons that cannot work, the demo's report in a zone that does not exist
 // and the purge that never fires: phase 6 names both at once.
 func TestProcessRefusesEveryBadCronAtOnce(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_REPORT_CRON"] = "CRON_TZ=Europe/Atlantis 0 3 * * *"
-	env["KUMIKO_OUTBOX_PURGE_CRON"] = "0 0 30 2 *"
+	env := fastEnv(t, "KUMIKO_REPORT_CRON=CRON_TZ=Europe/Atlantis 0 3 * * *", "KUMIKO_OUTBOX_PURGE_CRON=0 0 30 2 *")
 	refusedInPhase6(t, env, "Europe/Atlantis", `cron "0 0 30 2 *" for job purgeOutbox: it never ticks`)
 }
 

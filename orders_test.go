@@ -100,8 +100,7 @@ func countRows(t *testing.T, s *inProcess, table string) int {
 }
 
 func TestOrderCreateGetAndList(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
+	env := fastEnv(t, "KUMIKO_ADMIN_TOKEN="+testAdminToken)
 	s := startInProcess(t, env)
 	api := apiURL(s)
 	code, hdr, created := post(t, api+"/api/orders", validOrder, nil)
@@ -411,9 +410,7 @@ func mustJSON(v any) string {
 // GET /admin/orders?q= asks Meilisearch while it answers, and SQL when it does not.
 func TestOrderSearchUsesMeilisearchThenFallsBackToSQL(t *testing.T) {
 	meili := newMeiliDouble(t, "available")
-	env := fastEnv(t)
-	env["MEILI_URL"] = meili.srv.URL
-	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
+	env := fastEnv(t, "MEILI_URL="+meili.srv.URL, "KUMIKO_ADMIN_TOKEN="+testAdminToken)
 	s := startInProcess(t, env)
 	api := apiURL(s)
 	_, _, ada := post(t, api+"/api/orders", validOrder, nil)
@@ -440,8 +437,7 @@ func TestOrderSearchUsesMeilisearchThenFallsBackToSQL(t *testing.T) {
 // public order.created event carries no customer, no items and no order id,
 // and migration 15 took the id out of the events written before it.
 func TestOrderOpaqueIDsAndOldRows(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
+	env := fastEnv(t, "KUMIKO_ADMIN_TOKEN="+testAdminToken)
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, env["DATABASE_URL"])
 	if err != nil {
@@ -643,12 +639,12 @@ func skus(o newOrder) []string {
 func TestJobsWriteToRealS3AndIndex(t *testing.T) {
 	s3 := testS3(t)
 	meili := newMeiliDouble(t, "available")
-	env := fastEnv(t)
-	env["MEILI_URL"] = meili.srv.URL
-	env["S3_ENDPOINT"], env["S3_ACCESS_KEY"], env["S3_SECRET_KEY"], env["S3_BUCKET"] = s3.Endpoint, s3.AccessKey, s3.SecretKey, "kumiko"
-	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
-	env["KUMIKO_JOBS_POLL_INTERVAL"] = "100ms"
-	s := startInProcess(t, env)
+	s := startInProcess(t, fastEnv(t,
+		"MEILI_URL="+meili.srv.URL,
+		"S3_ENDPOINT="+s3.Endpoint, "S3_ACCESS_KEY="+s3.AccessKey, "S3_SECRET_KEY="+s3.SecretKey, "S3_BUCKET=kumiko",
+		"KUMIKO_ADMIN_TOKEN="+testAdminToken,
+		"KUMIKO_JOBS_POLL_INTERVAL=100ms",
+	))
 	_, _, created := post(t, apiURL(s)+"/api/orders", validOrder, nil)
 	var id int64 // receipts are named by the internal id; the API shows only the public one
 	if err := s.app.db.QueryRow(context.Background(), `SELECT id FROM orders WHERE public_id = $1`, created["id"]).Scan(&id); err != nil {

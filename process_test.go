@@ -58,10 +58,11 @@ func TestMain(m *testing.M) {
 var testMasterKey = base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{7}, 32))
 
 // fastEnv is the environment of a service that boots against real Postgres and
-// Redis with every timing shrunk so a whole lifecycle takes milliseconds.
-func fastEnv(t testing.TB) map[string]string {
+// Redis with every timing shrunk so a whole lifecycle takes milliseconds. A
+// test's own settings follow as KEY=value, as in os.Environ, and win.
+func fastEnv(t testing.TB, settings ...string) map[string]string {
 	t.Helper()
-	return map[string]string{
+	env := map[string]string{
 		"DATABASE_URL":                    testPostgres(t),
 		"REDIS_URL":                       testRedis(t).URL,
 		"KUMIKO_MASTER_KEY":               testMasterKey,
@@ -84,6 +85,14 @@ func fastEnv(t testing.TB) map[string]string {
 		// starting limit would shed some. Its own tests set it.
 		"KUMIKO_API_CONCURRENCY_MIN": "500",
 	}
+	for _, kv := range settings {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			t.Fatalf("fastEnv: %q is not KEY=value", kv)
+		}
+		env[k] = v
+	}
+	return env
 }
 
 // proc is the service running as a child process.
@@ -262,6 +271,40 @@ func get(t *testing.T, client *http.Client, url string) (int, http.Header, map[s
 	raw, _ := io.ReadAll(resp.Body)
 	_ = json.Unmarshal(raw, &body)
 	return resp.StatusCode, resp.Header, body, nil
+}
+
+// roundTrip sends req with client (nil: http.DefaultClient) and returns the
+// answer with its whole body; a request that gets no answer fails the test.
+// Call it from the test's goroutine.
+func roundTrip(t testing.TB, client *http.Client, req *http.Request) (*http.Response, []byte) {
+	t.Helper()
+	if client == nil {
+		client = http.DefaultClient
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", req.Method, req.URL, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("%s %s: reading the body: %v", req.Method, req.URL, err)
+	}
+	return resp, body
+}
+
+// getBody GETs url, with auth as its Authorization header ("" for none), and
+// returns the answer with its whole body.
+func getBody(t testing.TB, url, auth string) (*http.Response, []byte) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if auth != "" {
+		req.Header.Set("Authorization", auth)
+	}
+	return roundTrip(t, nil, req)
 }
 
 // scrapeMetric reads one sample ("name{labels}") from a /metrics endpoint; 0 when absent.

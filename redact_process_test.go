@@ -1,8 +1,6 @@
 package main
 
 import (
-	"io"
-	"net/http"
 	"slices"
 	"strings"
 	"syscall"
@@ -15,23 +13,17 @@ import (
 // readiness body or /admin/lifecycle (issue 20 found the MEILI_URL userinfo
 // in /admin/lifecycle and a ?token= in all of them).
 func TestProcessSecretsInURLsAreRedactedEverywhere(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_ADMIN_TOKEN"] = testAdminToken
-	// Nothing listens on port 1: search degrades, and its error and note show.
-	env["MEILI_URL"] = "http://ada:pw-in-userinfo-42@127.0.0.1:1/?token=tok-in-query-42&api_key=key-in-query-42"
+	env := fastEnv(t,
+		"KUMIKO_ADMIN_TOKEN="+testAdminToken,
+		// Nothing listens on port 1: search degrades, and its error and note show.
+		"MEILI_URL=http://ada:pw-in-userinfo-42@127.0.0.1:1/?token=tok-in-query-42&api_key=key-in-query-42",
+	)
 	p := startProc(t, env)
 	ops, _ := p.waitReady()
 	p.waitLog(5*time.Second, map[string]any{"phase": "searchAdapter", "outcome": "warn"})
 	shown := map[string]string{}
 	for _, path := range []string{"/health/ready", "/admin/lifecycle", "/admin/workers"} {
-		req, _ := http.NewRequest(http.MethodGet, ops+path, nil)
-		req.Header.Set("Authorization", "Bearer "+testAdminToken)
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		raw, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
+		_, raw := getBody(t, ops+path, "Bearer "+testAdminToken)
 		shown["ops "+path] = string(raw)
 	}
 	// The whole log, the drain's included.

@@ -91,9 +91,10 @@ func waitStreams(t testing.TB, ops string, n int) {
 // release hook runs, the leader key is released, and no stream is left open.
 func TestProcessStalledStreamsDrain(t *testing.T) {
 	const readers = 20
-	env := fastEnv(t)
-	env["KUMIKO_SSE_WRITE_TIMEOUT"] = "60s" // longer than the drain: the drain itself must end them
-	env["KUMIKO_SSE_MAX_STREAMS_PER_IP"] = "0"
+	env := fastEnv(t,
+		"KUMIKO_SSE_WRITE_TIMEOUT=60s", // longer than the drain: the drain itself must end them
+		"KUMIKO_SSE_MAX_STREAMS_PER_IP=0",
+	)
 	p := startProc(t, env)
 	ops, api := p.waitReady()
 	pool := sharedPool(t, env)
@@ -140,10 +141,11 @@ func TestProcessStalledStreamsDrain(t *testing.T) {
 // readers, a 4th stream is refused, even after the hub gave up on the stalled
 // ones for falling behind, until their handlers are gone.
 func TestProcessStalledStreamHoldsItsSlotUntilDropped(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_SSE_MAX_STREAMS"] = "3"
-	env["KUMIKO_SSE_WRITE_TIMEOUT"] = "6s" // long enough that the first probes come before it
-	env["KUMIKO_SSE_MAX_STREAMS_PER_IP"] = "0"
+	env := fastEnv(t,
+		"KUMIKO_SSE_MAX_STREAMS=3",
+		"KUMIKO_SSE_WRITE_TIMEOUT=6s", // long enough that the first probes come before it
+		"KUMIKO_SSE_MAX_STREAMS_PER_IP=0",
+	)
 	p := startProc(t, env)
 	ops, api := p.waitReady()
 	pool := sharedPool(t, env)
@@ -197,8 +199,7 @@ func TestProcessStalledStreamHoldsItsSlotUntilDropped(t *testing.T) {
 // One address gets at most KUMIKO_SSE_MAX_STREAMS_PER_IP streams, then 429
 // with Retry-After; another address is unaffected.
 func TestProcessStreamsPerIPCap(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_SSE_MAX_STREAMS_PER_IP"] = "2"
+	env := fastEnv(t, "KUMIKO_SSE_MAX_STREAMS_PER_IP=2")
 	p := startProc(t, env)
 	_, api := p.waitReady()
 
@@ -358,10 +359,7 @@ func settledRSS(b testing.TB, p *proc) int64 {
 // handlers and the force-close at work together: stalled readers, live
 // readers and live events, then a stop.
 func TestInProcessStreamsDrainUnderLoad(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_DRAIN_TIMEOUT"] = "1s"
-	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "5s"
-	env["KUMIKO_SSE_MAX_STREAMS_PER_IP"] = "0"
+	env := fastEnv(t, "KUMIKO_DRAIN_TIMEOUT=1s", "KUMIKO_SHUTDOWN_TIMEOUT=5s", "KUMIKO_SSE_MAX_STREAMS_PER_IP=0")
 	s := startInProcess(t, env)
 	api := "http://" + s.app.api.addr.String()
 	pool := sharedPool(t, env)
@@ -407,9 +405,7 @@ func TestInProcessStreamsDrainUnderLoad(t *testing.T) {
 // timeout while the kernel waited for a third of a megabytes-large send
 // buffer to drain). A stalled reader is still dropped after the write timeout.
 func TestProcessSlowSteadyReaderIsNotDropped(t *testing.T) {
-	env := fastEnv(t)
-	env["KUMIKO_SSE_WRITE_TIMEOUT"] = "4s"
-	env["KUMIKO_SSE_MAX_STREAMS_PER_IP"] = "0"
+	env := fastEnv(t, "KUMIKO_SSE_WRITE_TIMEOUT=4s", "KUMIKO_SSE_MAX_STREAMS_PER_IP=0")
 	p := startProc(t, env)
 	_, api := p.waitReady()
 	first := insertDelivered(t, sharedPool(t, env), stallingReplay(t), 1000)
