@@ -13,6 +13,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promauto"
 	"github.com/sirupsen/logrus"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
 	"go.opentelemetry.io/otel/sdk/resource"
@@ -108,138 +109,131 @@ type metrics struct {
 }
 
 func newMetrics() *metrics {
+	registry := prometheus.NewRegistry()
+	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	f := promauto.With(registry) // each metric below is registered where it is made
 	m := &metrics{
-		registry: prometheus.NewRegistry(),
-		state: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		registry: registry,
+		state: f.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "lifecycle_state", Help: "1 for the current lifecycle state, 0 for the others.",
 		}, []string{"state"}),
-		stateChanges: prometheus.NewCounterVec(prometheus.CounterOpts{
+		stateChanges: f.NewCounterVec(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "lifecycle_state_changes_total", Help: "Lifecycle state transitions.",
 		}, []string{"from", "to"}),
-		phaseDuration: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		phaseDuration: f.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "startup_phase_duration_seconds", Help: "How long each startup phase took in this process's boot.",
 		}, []string{"phase"}),
-		startupDuration: prometheus.NewGauge(prometheus.GaugeOpts{
+		startupDuration: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "startup_duration_seconds", Help: "From process start to ready.",
 		}),
-		shutdownStep: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		shutdownStep: f.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "shutdown_step_duration_seconds", Help: "How long each shutdown step took.",
 		}, []string{"step"}),
-		shutdownForced: prometheus.NewCounter(prometheus.CounterOpts{
+		shutdownForced: f.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "shutdown_forced_total", Help: "In-flight requests force-closed because the drain timeout ran out.",
 		}),
-		httpInFlight: prometheus.NewGauge(prometheus.GaugeOpts{
+		httpInFlight: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "http_requests_in_flight", Help: "API requests being served now.",
 		}),
-		httpRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+		httpRequests: f.NewCounterVec(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "http_requests_total", Help: "API requests by route template and status code.",
 		}, []string{"route", "code"}),
-		httpDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		httpDuration: f.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: metricNamespace, Name: "http_request_duration_seconds", Help: "API request latency by route template.",
 			Buckets: prometheus.DefBuckets,
 		}, []string{"route"}),
-		admissionLimit: prometheus.NewGauge(prometheus.GaugeOpts{
+		admissionLimit: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "api_concurrency_limit", Help: "API requests this instance works on at once before it sheds the next (admission.go); it follows their latency.",
 		}),
-		apiConns: prometheus.NewGauge(prometheus.GaugeOpts{
+		apiConns: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "api_connections", Help: "Connections open on the API port, event streams included.",
 		}),
-		apiConnsMax: prometheus.NewGauge(prometheus.GaugeOpts{
+		apiConnsMax: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "api_connections_max", Help: "KUMIKO_API_MAX_CONNS: at this many open connections the API port stops accepting until one closes (0: no cap).",
 		}),
-		admissionInFlight: prometheus.NewGauge(prometheus.GaugeOpts{
+		admissionInFlight: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "api_concurrency_in_flight", Help: "API requests admitted by the concurrency limit and not yet answered.",
 		}),
-		admissionShed: prometheus.NewCounter(prometheus.CounterOpts{
+		admissionShed: f.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "api_shed_total", Help: "API requests answered 503 with Retry-After at once because the concurrency limit was reached.",
 		}),
-		admissionBaseline: prometheus.NewGauge(prometheus.GaugeOpts{
+		admissionBaseline: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "api_concurrency_baseline_seconds", Help: "The long-term median latency the concurrency limit compares each window's median with.",
 		}),
-		readinessOK: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		readinessOK: f.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "readiness_check_ok", Help: "1 when the readiness check passed at its last probe.",
 		}, []string{"check"}),
-		readinessProbes: prometheus.NewCounterVec(prometheus.CounterOpts{
+		readinessProbes: f.NewCounterVec(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "readiness_probes_total", Help: "Readiness check runs in the background, by check.",
 		}, []string{"check"}),
-		panics: prometheus.NewCounterVec(prometheus.CounterOpts{
+		panics: f.NewCounterVec(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "panics_total", Help: "Recovered panics, by where they happened.",
 		}, []string{"component"}),
-		connectAttempts: prometheus.NewCounterVec(prometheus.CounterOpts{
+		connectAttempts: f.NewCounterVec(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "connect_attempts_total", Help: "Connection attempts of the connect phases, by target and result.",
 		}, []string{"target", "result"}),
-		heartbeatWritten: prometheus.NewCounterVec(prometheus.CounterOpts{
+		heartbeatWritten: f.NewCounterVec(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "worker_heartbeats_total", Help: "Heartbeats written to Redis, by worker and result.",
 		}, []string{"worker", "result"}),
-		outboxPending: prometheus.NewGauge(prometheus.GaugeOpts{
+		outboxPending: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "outbox_pending",
 			Help: fmt.Sprintf("Outbox events neither delivered nor dead, counted up to %d (a larger backlog reads %[1]d).", outboxPendingCountMax),
 		}),
-		outboxDelivered: prometheus.NewCounter(prometheus.CounterOpts{
+		outboxDelivered: f.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "outbox_delivered_total", Help: "Outbox events delivered by this instance.",
 		}),
-		outboxFailed: prometheus.NewCounter(prometheus.CounterOpts{
+		outboxFailed: f.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "outbox_failed_total", Help: "Outbox delivery attempts that failed (retried later).",
 		}),
-		outboxDead: prometheus.NewCounter(prometheus.CounterOpts{
+		outboxDead: f.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "outbox_dead_total", Help: "Outbox events given up after the maximum attempts.",
 		}),
-		outboxWakeFailed: prometheus.NewCounter(prometheus.CounterOpts{
+		outboxWakeFailed: f.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "outbox_wake_failed_total", Help: "Redis wake-ups of the SSE hubs that failed (delivery is unaffected; hubs poll Postgres).",
 		}),
-		outboxSequenceFailed: prometheus.NewCounter(prometheus.CounterOpts{
+		outboxSequenceFailed: f.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "outbox_sequencer_failed_total", Help: "Sequencer steps that failed (their events are numbered by a later step).",
 		}),
-		outboxLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
+		outboxLatency: f.NewHistogram(prometheus.HistogramOpts{
 			Namespace: metricNamespace, Name: "outbox_delivery_latency_seconds", Help: "From writing an event to its delivery.",
 			Buckets: []float64{.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 5, 30},
 		}),
-		sseStreams: prometheus.NewGauge(prometheus.GaugeOpts{
+		sseStreams: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "sse_streams", Help: "Open event streams on this instance.",
 		}),
-		sseDropped: prometheus.NewCounter(prometheus.CounterOpts{
+		sseDropped: f.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "sse_slow_streams_closed_total", Help: "Event streams closed because the client fell too far behind.",
 		}),
-		sseSendLag: prometheus.NewHistogram(prometheus.HistogramOpts{
+		sseSendLag: f.NewHistogram(prometheus.HistogramOpts{
 			Namespace: metricNamespace, Name: "sse_send_lag_seconds",
 			Help:    "From writing an event to handing it to a stream's connection, for the oldest event of each write: how far the fan-out runs behind.",
 			Buckets: []float64{.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 5, 30},
 		}),
-		leader: prometheus.NewGauge(prometheus.GaugeOpts{
+		leader: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "leader", Help: "1 while this instance leads (schedules the cron jobs).",
 		}),
-		leaderTransitions: prometheus.NewCounter(prometheus.CounterOpts{
+		leaderTransitions: f.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "leader_transitions_total", Help: "Times this instance became or stopped being leader.",
 		}),
-		leaderFenced: prometheus.NewGauge(prometheus.GaugeOpts{
+		leaderFenced: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "leader_fenced", Help: "1 while this instance is fenced: it met a newer fencing token and does not lead with a valid one yet.",
 		}),
-		leaderFencedTotal: prometheus.NewCounter(prometheus.CounterOpts{
+		leaderFencedTotal: f.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "leader_fenced_total", Help: "Times this instance met a fence: a stale token refused, or a token counter behind the fence raised.",
 		}),
-		jobs: prometheus.NewCounterVec(prometheus.CounterOpts{
+		jobs: f.NewCounterVec(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "jobs_total", Help: "Jobs worked by this instance, by kind and result.",
 		}, []string{"kind", "result"}),
-		jobDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		jobDuration: f.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: metricNamespace, Name: "job_duration_seconds", Help: "How long jobs took, by kind.", Buckets: prometheus.DefBuckets,
 		}, []string{"kind"}),
-		jobsBacklog: prometheus.NewGauge(prometheus.GaugeOpts{
+		jobsBacklog: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "jobs_backlog", Help: "Jobs waiting to be worked (available, not yet taken), counted up to twice the bound (backlog.go).",
 		}),
-		jobsBacklogBound: prometheus.NewGauge(prometheus.GaugeOpts{
+		jobsBacklogBound: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "jobs_backlog_bound", Help: "KUMIKO_JOBS_BACKLOG_MAX: past it, the API's answers say Follow-Up-Delayed.",
 		}),
 	}
-	m.registry.MustRegister(
-		collectors.NewGoCollector(),
-		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		m.state, m.stateChanges, m.phaseDuration, m.startupDuration, m.shutdownStep, m.shutdownForced,
-		m.httpInFlight, m.httpRequests, m.httpDuration, m.admissionLimit, m.apiConns, m.apiConnsMax, m.admissionInFlight, m.admissionShed, m.admissionBaseline, m.readinessOK, m.readinessProbes, m.panics,
-		m.connectAttempts, m.heartbeatWritten,
-		m.outboxPending, m.outboxDelivered, m.outboxFailed, m.outboxDead, m.outboxWakeFailed, m.outboxSequenceFailed, m.outboxLatency,
-		m.sseStreams, m.sseDropped, m.sseSendLag, m.leader, m.leaderTransitions, m.leaderFenced, m.leaderFencedTotal, m.jobs, m.jobDuration,
-		m.jobsBacklog, m.jobsBacklogBound,
-	)
 	m.initKnownLabels()
 	return m
 }
