@@ -7,7 +7,12 @@
 #   2. 3×P, 2×P and 5×P for DURATION each, open loop (a request every 1/rate
 #      seconds whatever the answers, as real clients arrive), on the same
 #      instance;
-#   3. a fresh instance SIGKILLed KILL_AFTER into 2×P.
+#   3. a fresh instance SIGKILLed KILL_AFTER into 2×P;
+#   4. what refusing costs: the CPU per refused request of a fresh instance
+#      with its limit held at 1, from P to 3×P, against that of bare net/http
+#      answering every request 503 (overload -refuse) on the same cores. The
+#      second is the floor any Go service pays here to refuse; at 3×P the
+#      2×P refusals cost 2×P times it, taken from the core P had.
 # Every request carries an Idempotency-Key of its own (scripts/overload), so
 # at every rate the orders stored are compared with the answers: stored must
 # equal the 201s; after the kill, stored ⊆ 201 ∪ in flight. For each rate it
@@ -32,12 +37,12 @@ export PATH="$PATH:$(go env GOPATH)/bin"
 
 WORKERS=${WORKERS:-32} DURATION=${DURATION:-10s} MULTIPLES=${MULTIPLES:-3 2 5} KILL_AFTER=${KILL_AFTER:-3s}
 LB_PORT=0 PG_PORT=${PG_PORT:-25437} REDIS_PORT=${REDIS_PORT:-26384}
-API_PORT1=${API_PORT1:-18093} OPS_PORT1=${OPS_PORT1:-18094} DIR=${BENCH_DIR:-$PWD/.bench-overload}
+API_PORT1=${API_PORT1:-18093} OPS_PORT1=${OPS_PORT1:-18094} REFUSE_PORT=${REFUSE_PORT:-18097} DIR=${BENCH_DIR:-$PWD/.bench-overload}
 # All the load comes from one client address: the per-address rate limit is
 # lifted, or the figure would be the limit's.
 export KUMIKO_LOG_FORMAT=json KUMIKO_API_RATE_LIMIT=0
 source scripts/lib.sh
-check_ports PG_PORT="$PG_PORT" REDIS_PORT="$REDIS_PORT" API_PORT1="$API_PORT1" OPS_PORT1="$OPS_PORT1" || exit 1
+check_ports PG_PORT="$PG_PORT" REDIS_PORT="$REDIS_PORT" API_PORT1="$API_PORT1" OPS_PORT1="$OPS_PORT1" REFUSE_PORT="$REFUSE_PORT" || exit 1
 trap cleanup EXIT INT TERM
 
 cores=$(nproc)
@@ -61,10 +66,12 @@ wait_ready 1
 pid=${app_pids[1]}
 echo "one instance, fsync off, $cores cores (instance, PostgreSQL, Redis on ${SUT_CPUS:-all}; the load tool on ${LOAD_CPUS:-all}), load average $(cut -d' ' -f1-3 /proc/loadavg) at the start"
 
-# 1. The peak rate.
+# 1. The peak rate, and the instance's CPU per order at it.
+cpu0=$(cpu_seconds "$pid")
 out=$(load -workers "$WORKERS" -pid "$pid")
+order_us=$(awk -v c0="$cpu0" -v c1="$(cpu_seconds "$pid")" -v n="$(val created "$out")" 'BEGIN { printf "%.0f", (c1 - c0) / (n > 0 ? n : 1) * 1e6 }')
 P=$(val goodput "$out") p99P=$(val p99_created_ms "$out")
-printf '\nP (%s workers, closed loop): %s orders/s\n  %s\n' "$WORKERS" "$P" "$out"
+printf '\nP (%s workers, closed loop): %s orders/s, %s µs of the instance'"'"'s CPU per order\n  %s\n' "$WORKERS" "$P" "$order_us" "$out"
 settle
 
 # 2. Multiples of P, open loop.
@@ -90,4 +97,46 @@ out=$(load -rate "$rate" -duration "$((${KILL_AFTER%s} + 3))s" -kill "$pid" -kil
 printf '\n2×P = %s/s, SIGKILL after %s:\n  %s\n' "$rate" "$KILL_AFTER" "$out"
 wait "$pid" 2>/dev/null || true
 app_pids=()
+
+# 4. What refusing costs: CPU seconds per request, in µs. With the limit at 1
+#    the instance works one order at a time, at a cost per order of its own;
+#    the same ~number of orders at P and at 3×P, so the CPU the two runs
+#    differ by is the refusals they differ by.
+rate=$(awk -v p="$P" 'BEGIN { printf "%d", p * 3 }')
+export KUMIKO_API_CONCURRENCY_MIN=1 KUMIKO_API_CONCURRENCY_MAX=1
+start_app 1 "$DIR/app1-refuse.log"
+unset KUMIKO_API_CONCURRENCY_MIN KUMIKO_API_CONCURRENCY_MAX
+wait_ready 1
+pid=${app_pids[1]}
+for r in "$P" "$rate"; do
+  c0=$(cpu_seconds "$pid")
+  o=$(load -rate "$r") || verdict=1
+  refusing+=("$(cpu_seconds "$pid") $c0 $(val created "$o") $(val shed "$o")")
+  settle
+done
+stop_apps >/dev/null
+# marginal_us reads two lines "cpu_end cpu_start created refused" and prints
+# the CPU per refusal the second run spent beyond the first, in µs.
+marginal_us() {
+  awk -v o="$order_us" '{ cpu[NR] = $1 - $2; created[NR] = $3; shed[NR] = $4 }
+    END { printf "%.0f", (cpu[2] - cpu[1] - (created[2] - created[1]) * o / 1e6) / (shed[2] - shed[1] > 0 ? shed[2] - shed[1] : 1) * 1e6 }'
+}
+shed_us=$(printf '%s\n' "${refusing[@]}" | marginal_us)
+read -r _ _ created1 shed1 <<<"${refusing[0]}"
+read -r _ _ created3 shed3 <<<"${refusing[1]}"
+"$DIR/overload" -refuse "127.0.0.1:$REFUSE_PORT" &
+refuser=$!
+for _ in $(seq 1 50); do curl -s -o /dev/null "http://127.0.0.1:$REFUSE_PORT/" && break; sleep 0.1; done
+for r in "$P" "$rate"; do
+  c0=$(cpu_seconds "$refuser")
+  o=$("${pin[@]}" "$DIR/overload" -url "http://127.0.0.1:$REFUSE_PORT" -duration "$DURATION" -rate "$r") || true
+  bare+=("$(cpu_seconds "$refuser") $c0 0 $(val sent "$o")")
+done
+bare_us=$(printf '%s\n' "${bare[@]}" | marginal_us)
+kill "$refuser" && wait "$refuser" || true
+printf '\nWhat refusing costs (a process'"'"'s CPU per refusal, from P to 3×P):\n  the instance, its limit held at 1: %s µs (at P %s refused and %s created, at 3×P = %s/s %s and %s)\n' \
+  "$shed_us" "$shed1" "$created1" "$rate" "$shed3" "$created3"
+printf '  bare net/http answering 503 (overload -refuse): %s µs\n' "$bare_us"
+awk -v p="$P" -v s="$shed_us" -v b="$bare_us" 'BEGIN {
+  printf "  at 3×P the 2×P refusals take %.2f of a core (bare net/http: %.2f), from the core P had\n", 2 * p * s / 1e6, 2 * p * b / 1e6 }'
 exit "$verdict"

@@ -6,6 +6,7 @@
 //	overload -url http://127.0.0.1:18091 -workers 32 -duration 10s            # closed loop: the peak rate
 //	overload -url … -rate 4500 -duration 10s -pid 1234                         # open loop, RSS of 1234 sampled
 //	overload -url … -rate 3000 -duration 8s -kill 1234 -kill-after 3s          # SIGKILL 1234 mid-load
+//	overload -refuse 127.0.0.1:18097                                           # the floor: see refuse
 //
 // It prints one line of key=value figures (goodput is 201 answers per
 // second; p99 of the 201s and of the 503s; RSS at most) and, with
@@ -18,12 +19,14 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptrace"
 	"os"
+	"os/signal"
 	"slices"
 	"strconv"
 	"strings"
@@ -57,7 +60,15 @@ func main() {
 	kill := flag.Int("kill", 0, "SIGKILL this process after -kill-after")
 	killAfter := flag.Duration("kill-after", 3*time.Second, "")
 	prefix := flag.String("prefix", "bench-"+strconv.FormatInt(time.Now().UnixNano(), 36), "Idempotency-Key prefix of this run")
+	refuseAddr := flag.String("refuse", "", "serve on this address: every request answered 503 by bare net/http, until SIGTERM")
 	flag.Parse()
+	if *refuseAddr != "" {
+		if err := refuse(*refuseAddr); err != nil {
+			fmt.Fprintln(os.Stderr, "overload:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if *url == "" || (*workers == 0) == (*rate == 0) {
 		fmt.Fprintln(os.Stderr, "overload: -url and one of -workers or -rate")
 		os.Exit(2)
@@ -353,4 +364,31 @@ func every(interval time.Duration, fn func()) (stop func()) {
 		close(done)
 		<-finished
 	}
+}
+
+// refuse answers every request on addr with the instance's 503, using
+// net/http and nothing else: no router, middleware, metrics or limit. The
+// CPU it spends per request is the floor of what any Go service pays to
+// refuse one on this machine (reading the request, writing the answer, the
+// runtime's scheduling), against which the instance's own refusal is
+// measured.
+func refuse(addr string) error {
+	answer := []byte(`{"error":{"code":"overloaded","message":"this instance is at its capacity; retry shortly"}}` + "\n")
+	srv := &http.Server{Addr: addr, ReadHeaderTimeout: 5 * time.Second, IdleTimeout: time.Minute,
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			w.Header().Set("Retry-After", "1")
+			w.WriteHeader(http.StatusServiceUnavailable)
+			w.Write(answer)
+		})}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	go func() {
+		<-ctx.Done()
+		srv.Close()
+	}()
+	if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("serving refusals on %s: %w", addr, err)
+	}
+	return nil
 }
