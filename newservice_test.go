@@ -26,6 +26,9 @@ func TestNewServiceScriptRenamesACopy(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds and tests a renamed copy of the repository")
 	}
+	// Most of its minute is the go command compiling the copy: in parallel,
+	// the other tests' waits overlap it.
+	t.Parallel()
 	const module, name = "example.com/acme/orders-svc", "orders-svc"
 	// Services for the copy's own test: started here, handed over by URL so the
 	// copy does not start a second PostgreSQL.
@@ -293,6 +296,7 @@ func TestNewServiceScriptBare(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds a bare copy of the repository")
 	}
+	t.Parallel() // as TestNewServiceScriptRenamesACopy
 	const module, name = "example.com/acme/billing", "billing"
 	dir := copyRepo(t)
 	for _, args := range [][]string{{"init", "-q"}, {"add", "-A"}, {"-c", "user.name=test", "-c", "user.email=test@example.com", "commit", "-q", "-m", "template"}} {
