@@ -332,8 +332,10 @@ func TestProcessJobsAcrossADrain(t *testing.T) {
 
 // 5. A job running on an instance that is killed -9 is rescued and completes
 // on the other instance. River rescues after KUMIKO_JOBS_RESCUE_AFTER; its
-// rescuer looks every 30s, so this test takes that long.
+// rescuer looks every 30s, so this test takes that long, waiting: in
+// parallel, the other tests run meanwhile.
 func TestProcessJobOfCrashedWorkerIsRescued(t *testing.T) {
+	t.Parallel()
 	env := leaderEnv(t, "KUMIKO_JOBS_TIMEOUT=1500ms", "KUMIKO_JOBS_RESCUE_AFTER=2s")
 	a := startAs(t, env, "a")
 	opsA, _ := a.waitReady()
