@@ -126,7 +126,9 @@ read -r _ _ created1 shed1 <<<"${refusing[0]}"
 read -r _ _ created3 shed3 <<<"${refusing[1]}"
 "$DIR/overload" -refuse "127.0.0.1:$REFUSE_PORT" &
 refuser=$!
+server_pids+=("$refuser") # cleanup stops it if this script fails first
 for _ in $(seq 1 50); do curl -s -o /dev/null "http://127.0.0.1:$REFUSE_PORT/" && break; sleep 0.1; done
+curl -s -o /dev/null "http://127.0.0.1:$REFUSE_PORT/" || { echo "overload -refuse does not answer on port $REFUSE_PORT" >&2; exit 1; }
 for r in "$P" "$rate"; do
   c0=$(cpu_seconds "$refuser")
   o=$("${pin[@]}" "$DIR/overload" -url "http://127.0.0.1:$REFUSE_PORT" -duration "$DURATION" -rate "$r") || true
