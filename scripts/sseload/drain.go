@@ -196,15 +196,14 @@ func (d *drainRun) bucket(at time.Time) int {
 // every client can tell which order an event is from its totalCents alone.
 func (d *drainRun) post(ctx context.Context, host string) {
 	client := &http.Client{Timeout: 10 * time.Second}
-	tick := time.NewTicker(time.Second / time.Duration(d.rate))
-	defer tick.Stop()
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	for {
-		select {
-		case <-ctx.Done():
+	// An open model, as rollload's: order i leaves at begin + i/rate whether
+	// or not the earlier ones have answered.
+	interval, begin := time.Second/time.Duration(d.rate), time.Now()
+	for i := 1; ; i++ {
+		if loadtool.SleepUntil(ctx, begin.Add(time.Duration(i)*interval)) != nil {
 			return
-		case <-tick.C:
 		}
 		k := d.posted.Add(1)
 		if k >= maxOrders {

@@ -12,19 +12,12 @@ import (
 )
 
 // SleepUntil waits for the moment at or for the end of ctx (then ctx's error).
+// A deadline on a child of ctx is the timer.
 func SleepUntil(ctx context.Context, at time.Time) error {
-	d := time.Until(at)
-	if d <= 0 {
-		return ctx.Err()
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	wait, cancel := context.WithDeadline(ctx, at)
+	defer cancel()
+	<-wait.Done()
+	return ctx.Err()
 }
 
 // RSS is the resident set (VmRSS) of process pid in bytes; 0 once it is gone.
