@@ -11,7 +11,6 @@ import (
 	"github.com/meilisearch/meilisearch-go"
 	"github.com/minio/minio-go/v7"
 	"github.com/riverqueue/river"
-	"golang.org/x/sync/errgroup"
 )
 
 // The orders demo's jobs. Each worker must be idempotent: River runs a job
@@ -26,8 +25,8 @@ type indexOrderArgs struct {
 
 func (indexOrderArgs) Kind() string { return "indexOrder" }
 
-// writeReceiptArgs: order.created → a sealed receipt object in S3 per order,
-// the orders of one delivery batch in one job.
+// writeReceiptArgs: order.created → the sealed receipts of one delivery
+// batch's orders, one S3 object per job.
 type writeReceiptArgs struct {
 	OrderIDs []int64 `json:"orderIds"`
 }
@@ -38,11 +37,6 @@ func (writeReceiptArgs) Kind() string { return "writeReceipt" }
 type reportArgs struct{ CronRun }
 
 func (reportArgs) Kind() string { return "report" }
-
-// receiptWrites bounds the receipts one job writes to S3 at once: the
-// object store's round trips overlap, and one job does not open a connection
-// per order.
-const receiptWrites = 8
 
 // indexOrder puts the orders into the Meilisearch index in one call
 // (replacing any earlier copy).
@@ -63,38 +57,40 @@ func indexOrder(d workDeps, ctx context.Context, job *river.Job[indexOrderArgs])
 	return nil
 }
 
-// writeReceipt stores each order's receipt in S3, sealed with the master key:
-// the object store never sees a customer's order in the clear. A retry
-// writes every receipt of the job again; the same order always makes the
-// same object name, so a receipt is replaced, never doubled.
+// writeReceipt stores the receipts of the job's orders in S3 as one object,
+// sealed with the master key: the object store never sees a customer's order
+// in the clear. One object per batch, not per order: an object store charges
+// and works per request, and a request per order cost more than the order.
+// An order's event is delivered once, in the transaction that inserts this
+// job, so each order is in exactly one batch; a retry writes the same object
+// again (receiptsName), replaced, never doubled.
 func writeReceipt(d workDeps, ctx context.Context, job *river.Job[writeReceiptArgs]) error {
-	if d.storage == nil {
+	if d.storage == nil || len(job.Args.OrderIDs) == 0 {
 		return nil
 	}
 	orders, err := loadOrders(ctx, d.db, job.Args.OrderIDs)
 	if err != nil {
 		return err
 	}
-	g, ctx := errgroup.WithContext(ctx)
-	g.SetLimit(receiptWrites)
-	for _, o := range orders {
-		g.Go(func() error { return putReceipt(d, ctx, o) })
-	}
-	return g.Wait()
-}
-
-func putReceipt(d workDeps, ctx context.Context, o order) error {
-	plain, _ := json.Marshal(o)
-	name := fmt.Sprintf("receipts/%d.sealed", o.ID)
+	plain, _ := json.Marshal(orders)
+	name := receiptsName(orders)
 	sealed := d.masterKey.seal(plain, []byte(name))
 	ctx, cancel := d.external(ctx)
 	defer cancel()
-	_, err := d.storage.PutObject(ctx, d.bucket, name, bytes.NewReader(sealed), int64(len(sealed)),
+	_, err = d.storage.PutObject(ctx, d.bucket, name, bytes.NewReader(sealed), int64(len(sealed)),
 		minio.PutObjectOptions{ContentType: "application/octet-stream", UserMetadata: map[string]string{"Key-Id": d.masterKey.id}})
 	if err != nil {
-		return fmt.Errorf("writing %s: %w", name, err)
+		return fmt.Errorf("writing %s (%d receipts): %w", name, len(orders), err)
 	}
 	return nil
+}
+
+// receiptsName names a batch of receipts by the first and last of its
+// orders' internal ids (orders sorted by id): receipts/<first>-<last>.sealed.
+// The object holds the orders between them that were delivered together,
+// not every one.
+func receiptsName(orders []order) string {
+	return fmt.Sprintf("receipts/%d-%d.sealed", orders[0].ID, orders[len(orders)-1].ID)
 }
 
 // writeReport counts the orders so far and stores the count as

@@ -24,6 +24,7 @@ import (
 	"github.com/minio/minio-go/v7/pkg/credentials"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/redis/go-redis/v9"
+	"github.com/riverqueue/river"
 )
 
 const validOrder = `{"customer":"Ada","items":[{"sku":"tea","qty":2,"priceCents":250},{"sku":"cake","qty":1,"priceCents":400}]}`
@@ -652,7 +653,7 @@ func TestJobsWriteToRealS3AndIndex(t *testing.T) {
 	}
 
 	client, _ := minio.New(s3.Endpoint, &minio.Options{Creds: credentials.NewStaticV4(s3.AccessKey, s3.SecretKey, "")})
-	name := "receipts/" + itoa(id) + ".sealed"
+	name := "receipts/" + itoa(id) + "-" + itoa(id) + ".sealed" // the only order: a batch of one
 	var sealed []byte
 	waitFor(t, 10*time.Second, "the receipt in S3", func() bool {
 		obj, err := client.GetObject(context.Background(), "kumiko", name, minio.GetObjectOptions{})
@@ -667,9 +668,9 @@ func TestJobsWriteToRealS3AndIndex(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the receipt does not open with the master key: %v", err)
 	}
-	var receipt order
-	if err := json.Unmarshal(plain, &receipt); err != nil || receipt.PublicID.String() != created["id"] || receipt.TotalCents != 900 {
-		t.Fatalf("receipt %s: %+v %v", plain, receipt, err)
+	var receipts []order
+	if err := json.Unmarshal(plain, &receipts); err != nil || len(receipts) != 1 || receipts[0].PublicID.String() != created["id"] || receipts[0].TotalCents != 900 {
+		t.Fatalf("receipts %s: %+v %v", plain, receipts, err)
 	}
 	if bytes.Contains(sealed, []byte("Ada")) {
 		t.Fatal("the receipt is stored in the clear")
@@ -685,6 +686,71 @@ func TestJobsWriteToRealS3AndIndex(t *testing.T) {
 		}
 		return false
 	})
+}
+
+// A writeReceipt job writes its batch's receipts as one object, named by the
+// first and last order, and a retry writes the same object again: one
+// object, whatever the attempts.
+func TestWriteReceiptWritesOneObjectPerBatchAndARetryReplacesIt(t *testing.T) {
+	s3 := testS3(t)
+	s := startInProcess(t, fastEnv(t))
+	var ids []int64
+	for _, cents := range []int{300, 100, 200} {
+		_, _, created := post(t, apiURL(s)+"/api/orders", `{"customer":"Ada","items":[{"sku":"tea","qty":1,"priceCents":`+itoa(int64(cents))+`}]}`, nil)
+		var id int64
+		if err := s.app.db.QueryRow(context.Background(), `SELECT id FROM orders WHERE public_id = $1`, created["id"]).Scan(&id); err != nil {
+			t.Fatalf("order %v: %v", created["id"], err)
+		}
+		ids = append(ids, id)
+	}
+	ctx := context.Background()
+	client, _ := minio.New(s3.Endpoint, &minio.Options{Creds: credentials.NewStaticV4(s3.AccessKey, s3.SecretKey, "")})
+	if err := client.MakeBucket(ctx, "batches", minio.MakeBucketOptions{}); err != nil {
+		t.Fatalf("making the bucket: %v", err)
+	}
+	d := workDeps{call: 5 * time.Second, db: s.app.db, storage: client, bucket: "batches", masterKey: s.app.masterKey}
+	job := &river.Job[writeReceiptArgs]{Args: writeReceiptArgs{OrderIDs: []int64{ids[2], ids[0], ids[1]}}}
+	for attempt := 1; attempt <= 2; attempt++ {
+		if err := writeReceipt(d, ctx, job); err != nil {
+			t.Fatalf("attempt %d: %v", attempt, err)
+		}
+	}
+
+	var names []string
+	for obj := range client.ListObjects(ctx, "batches", minio.ListObjectsOptions{Recursive: true}) {
+		if obj.Err != nil {
+			t.Fatalf("listing: %v", obj.Err)
+		}
+		names = append(names, obj.Key)
+	}
+	name := "receipts/" + itoa(ids[0]) + "-" + itoa(ids[2]) + ".sealed"
+	if !slices.Equal(names, []string{name}) {
+		t.Fatalf("objects after two attempts: %v, want only %s", names, name)
+	}
+	obj, err := client.GetObject(ctx, "batches", name, minio.GetObjectOptions{})
+	if err != nil {
+		t.Fatalf("reading %s: %v", name, err)
+	}
+	defer obj.Close()
+	sealed, err := io.ReadAll(obj)
+	if err != nil {
+		t.Fatalf("reading %s: %v", name, err)
+	}
+	plain, err := s.app.masterKey.open(sealed, []byte(name))
+	if err != nil {
+		t.Fatalf("%s does not open with the master key: %v", name, err)
+	}
+	var receipts []order
+	if err := json.Unmarshal(plain, &receipts); err != nil {
+		t.Fatalf("receipts %s: %v", plain, err)
+	}
+	var got []int64
+	for _, r := range receipts {
+		got = append(got, r.TotalCents)
+	}
+	if !slices.Equal(got, []int64{300, 100, 200}) {
+		t.Fatalf("receipts' totals in id order: %v, want [300 100 200]", got)
+	}
 }
 
 // kumiko_sse_send_lag_seconds times each write to a stream from the moment
