@@ -695,8 +695,8 @@ func TestWriteReceiptWritesOneObjectPerBatchAndARetryReplacesIt(t *testing.T) {
 	s3 := testS3(t)
 	s := startInProcess(t, fastEnv(t))
 	var ids []int64
-	for _, cents := range []int{300, 100, 200} {
-		_, _, created := post(t, apiURL(s)+"/api/orders", `{"customer":"Ada","items":[{"sku":"tea","qty":1,"priceCents":`+itoa(int64(cents))+`}]}`, nil)
+	for _, cents := range []int64{300, 100, 200} {
+		_, _, created := post(t, apiURL(s)+"/api/orders", `{"customer":"Ada","items":[{"sku":"tea","qty":1,"priceCents":`+itoa(cents)+`}]}`, nil)
 		var id int64
 		if err := s.app.db.QueryRow(context.Background(), `SELECT id FROM orders WHERE public_id = $1`, created["id"]).Scan(&id); err != nil {
 			t.Fatalf("order %v: %v", created["id"], err)
