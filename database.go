@@ -191,13 +191,25 @@ func connectionLost(err error) bool {
 // hook), so readiness says 200 again only once the pool can serve. Its
 // detail shows the pool's own state. The readiness cache runs one probe at a
 // time; the mutex only serializes it with close.
+//
+// One failed ping after one that answered does not take the instance out:
+// the database is every instance's, and a ping past its deadline on a busy
+// server fails at every instance at once, so gating on it would empty the
+// load balancer for a blip each instance could serve through. Such a failure
+// is shown as degraded (Shared); dbFailuresToGate in a row gate.
 type dbProbe struct {
 	config *pgx.ConnConfig
 	pool   *pgxpool.Pool
 
-	mu   sync.Mutex
-	conn *pgx.Conn
+	mu       sync.Mutex
+	conn     *pgx.Conn
+	answered bool // a ping of check has answered: its failures may be blips
+	failed   int  // pings of check failed since the last that answered
 }
+
+// dbFailuresToGate is how many failed pings in a row (a check interval
+// apart) make the database a reason not to be ready.
+const dbFailuresToGate = 2
 
 func (p *dbProbe) check(ctx context.Context) checkResult {
 	p.mu.Lock()
@@ -208,8 +220,13 @@ func (p *dbProbe) check(ctx context.Context) checkResult {
 	err := p.ping(ctx)
 	detail["latencyMs"] = time.Since(start).Milliseconds()
 	if err != nil {
-		return failedResult(err, detail)
+		p.failed++
+		detail["failedInARow"] = p.failed
+		res := failedResult(err, detail)
+		res.Shared = p.answered && p.failed < dbFailuresToGate
+		return res
 	}
+	p.answered, p.failed = true, 0
 	return okResult(detail)
 }
 

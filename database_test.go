@@ -2,8 +2,12 @@ package main
 
 import (
 	"context"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // A transaction left open between its statements — an instance frozen or
@@ -39,4 +43,53 @@ func TestIdleTransactionIsEndedAndItsLockFreed(t *testing.T) {
 	if err := frozen.Commit(ctx); err == nil {
 		t.Error("the idle transaction committed after the server should have ended it")
 	}
+}
+
+// One ping of the database past its deadline, after one that answered, shows
+// the database degraded and keeps the instance ready: on a busy shared server
+// every instance's ping fails at once. The second in a row takes the instance
+// out; an answer brings it back. A probe that never answered gates at once.
+func TestDatabaseProbeGatesOnFailuresInARow(t *testing.T) {
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(testPostgres(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	probe := &dbProbe{config: cfg.ConnConfig, pool: pool}
+	defer probe.close()
+	var late atomic.Bool // the next pings miss their deadline
+	rd := testReadiness(t, readyLifecycle(t), newMetrics(), 5*time.Second, time.Hour)
+	rd.RegisterReadinessCheck("db", true, func(ctx context.Context) checkResult {
+		if late.Load() {
+			past, cancel := context.WithDeadline(ctx, time.Now())
+			defer cancel()
+			return probe.check(past)
+		}
+		return probe.check(ctx)
+	})
+	step := func(what string, wantReady bool, wantDegraded string) {
+		t.Helper()
+		rd.refresh(ctx)
+		rep, ok := rd.report()
+		if ok != wantReady || strings.Join(rep.Degraded, ",") != wantDegraded {
+			t.Fatalf("%s: ready=%v degraded=%v, want ready=%v degraded=%q; db: %+v", what, ok, rep.Degraded, wantReady, wantDegraded, rep.Checks["db"])
+		}
+	}
+
+	late.Store(true)
+	step("a probe that never answered, failing", false, "")
+	late.Store(false)
+	step("its first answer", true, "")
+	late.Store(true)
+	step("one ping past its deadline", true, "db")
+	step("the second in a row", false, "")
+	late.Store(false)
+	step("an answer again", true, "")
+	late.Store(true)
+	step("one ping past its deadline after that", true, "db")
 }

@@ -33,8 +33,9 @@ import (
 type checkResult struct {
 	OK bool
 	// Shared marks a failure whose cause every instance shares (the
-	// heartbeats of a worker that runs, but cannot reach Redis): shown as
-	// degraded, it never fails readiness, even under a gating check.
+	// heartbeats of a worker that runs, but cannot reach Redis; one failed
+	// ping of the database): shown as degraded, it never fails readiness,
+	// even under a gating check.
 	Shared bool
 	Detail map[string]any
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
 	"maps"
 	"net"
 	"net/http"
@@ -142,14 +143,14 @@ func TestProcessFleetFaultsThroughHAProxy(t *testing.T) {
 		wg.Wait()
 
 		r := tallyOrders(answers)
-		notReady, p99 := readinessFigures(probes)
+		notReady, firstSeen, p99 := readinessFigures(probes)
 		table = append(table, fmt.Sprintf("| %s | %d of %d | %d | %d | %d of %d | %s | %d |", f.name, r.failed, len(answers),
 			r.retryKeyed, r.retryPlain, notReady, len(probes), p99.Round(100*time.Microsecond), becameLeader()-leadersBefore))
 		if r.failed > 0 {
 			t.Errorf("%s: %d of %d orders through HAProxy failed; first: %s", f.name, r.failed, len(answers), r.firstFailure)
 		}
 		if notReady > 0 {
-			t.Errorf("%s: readiness answered other than 200 %d times of %d", f.name, notReady, len(probes))
+			t.Errorf("%s: readiness answered other than 200 %d times of %d; the first:\n%s", f.name, notReady, len(probes), strings.Join(firstSeen, "\n"))
 		}
 		if n := becameLeader() - leadersBefore; n > f.maxLeaders {
 			t.Errorf("%s: leadership was taken %d times, want at most %d", f.name, n, f.maxLeaders)
@@ -241,6 +242,7 @@ func orderLoad(client *http.Client, base string, rate int, d time.Duration) []ke
 type probeSample struct {
 	status int
 	took   time.Duration
+	seen   string // of an answer other than 200: where, and what it said
 }
 
 // sampleReadiness asks base's /health/ready every 20 ms until ctx ends.
@@ -252,9 +254,15 @@ func sampleReadiness(ctx context.Context, base string) <-chan probeSample {
 		everyTick(ctx, 20*time.Millisecond, nil, func(context.Context) {
 			start := time.Now()
 			s := probeSample{}
-			if resp, err := client.Get(base + "/health/ready"); err == nil {
-				s.status = resp.StatusCode
+			resp, err := client.Get(base + "/health/ready")
+			if err != nil {
+				s.seen = fmt.Sprintf("%s: %v", base, err)
+			} else {
+				body, _ := io.ReadAll(io.LimitReader(resp.Body, 2048))
 				resp.Body.Close()
+				if s.status = resp.StatusCode; s.status != http.StatusOK {
+					s.seen = fmt.Sprintf("%s: %d %s", base, s.status, body)
+				}
 			}
 			s.took = time.Since(start)
 			out <- s
@@ -263,20 +271,23 @@ func sampleReadiness(ctx context.Context, base string) <-chan probeSample {
 	return out
 }
 
-// readinessFigures: how many answers were not 200, and the p99 latency.
-func readinessFigures(samples []probeSample) (notReady int, p99 time.Duration) {
+// readinessFigures: how many answers were not 200 and the first three of
+// them, and the p99 latency.
+func readinessFigures(samples []probeSample) (notReady int, firstSeen []string, p99 time.Duration) {
 	var took []time.Duration
 	for _, s := range samples {
 		if s.status != http.StatusOK {
-			notReady++
+			if notReady++; len(firstSeen) < 3 {
+				firstSeen = append(firstSeen, s.seen)
+			}
 		}
 		took = append(took, s.took)
 	}
 	if len(took) == 0 {
-		return 0, 0
+		return 0, nil, 0
 	}
 	slices.Sort(took)
-	return notReady, took[len(took)*99/100]
+	return notReady, firstSeen, took[len(took)*99/100]
 }
 
 // latency adds ms of latency to everything the proxy passes back; the
