@@ -250,6 +250,17 @@ func handleCreateOrder(db *pgxpool.Pool, w *orderWriter, rdb *redis.Client, key 
 		c.Response().Header().Set("Idempotent-Replayed", "true")
 		return answer(c, o)
 	}
+	// failed answers err. An order whose statement was interrupted and could
+	// not be settled may be stored: the client is told where to look it up,
+	// not to send it again.
+	failed := func(c echo.Context, id uuid.UUID, err error) error {
+		if !errors.Is(err, errOutcomeUnknown) {
+			return err
+		}
+		created.WithLabelValues("unknown").Inc()
+		log.WithError(err).Warn("order outcome unknown: answered 504 with its id")
+		return writeOutcomeUnknown(c, id, readToken(key, id))
+	}
 	return func(c echo.Context) error {
 		req, err := decodeOrder(c)
 		if err != nil {
@@ -277,7 +288,7 @@ func handleCreateOrder(db *pgxpool.Pool, w *orderWriter, rdb *redis.Client, key 
 		if key == "" {
 			o, err := create("", "")
 			if err != nil {
-				return err
+				return failed(c, publicID, err)
 			}
 			createdNew.Inc()
 			return answer(c, o)
@@ -337,11 +348,32 @@ func handleCreateOrder(db *pgxpool.Pool, w *orderWriter, rdb *redis.Client, key 
 			}
 		}
 		if err != nil {
-			return err
+			return failed(c, publicID, err)
 		}
 		createdNew.Inc()
 		return answer(c, o)
 	}
+}
+
+// writeOutcomeUnknown answers 504 outcome_unknown for an order that may be
+// stored: its id and read token, and where to look (Location). The client
+// reads GET /api/orders/{id} once the database answers: 200 is its order,
+// 404 means it was not stored and may be sent again. No Retry-After: a
+// blind retry without an Idempotency-Key could store it twice.
+func writeOutcomeUnknown(c echo.Context, id uuid.UUID, token string) error {
+	c.Response().Header().Set(echo.HeaderLocation, "/api/orders/"+id.String())
+	return c.JSON(http.StatusGatewayTimeout, outcomeUnknownBody{
+		Error: errorBody{Code: "outcome_unknown", Message: "the database did not confirm whether the order was stored; " +
+			"read it with GET /api/orders/{id} and its readToken before sending it again"},
+		ID: id.String(), ReadToken: token})
+}
+
+// outcomeUnknownBody is the 504 answer: the usual error, and the order's
+// capability to look it up.
+type outcomeUnknownBody struct {
+	Error     errorBody `json:"error"`
+	ID        string    `json:"id"`
+	ReadToken string    `json:"readToken"`
 }
 
 // createdOrder is the answer to POST /api/orders: the order, and the

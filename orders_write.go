@@ -248,20 +248,21 @@ func (w *orderWriter) run(b *orderBatch, live []*orderRow) {
 		ctx, cancel = context.WithTimeout(ctx, w.statement)
 		defer cancel()
 	}
-	err := w.write(ctx, live)
+	err := w.writeOn(ctx, live)
 	if err != nil && len(live) > 1 && refusedByData(err) {
 		// One order the database refuses (a check, a value) must not fail
 		// the orders that shared its statement: each is written alone, as it
 		// would have been without company.
 		for _, r := range live {
-			if err := w.write(ctx, []*orderRow{r}); err != nil {
+			if err := w.writeOn(ctx, []*orderRow{r}); err != nil {
 				r.err = err
 			}
 		}
 		return
 	}
-	if err != nil && outcomeUnknown(err) {
-		w.lookUp(live, err)
+	var unknown *statementUnknown
+	if errors.As(err, &unknown) {
+		w.settle(live, unknown)
 		return
 	}
 	if err != nil {
@@ -271,21 +272,60 @@ func (w *orderWriter) run(b *orderBatch, live []*orderRow) {
 	}
 }
 
-// outcomeUnknown reports a statement error after which its orders may have
-// committed: neither the server's answer (a PostgreSQL error: the statement
-// was rolled back) nor a failure before it was sent.
-func outcomeUnknown(err error) bool {
-	var pgErr *pgconn.PgError
-	return !errors.As(err, &pgErr) && !pgconn.SafeToRetry(err)
+// statementUnknown is a statement that was sent and then interrupted (its
+// connection lost, its bound reached) before the server's answer: its
+// orders may have committed. backend is the server process that ran it.
+type statementUnknown struct {
+	backend uint32
+	err     error
 }
 
-// lookUp finds out which of rows an interrupted statement (its connection
-// lost, its bound reached) committed: those are answered as written, the
-// others with cause. It has a budget of its own (the statement's bound): the
-// requests' may be spent. A statement the server is still running when the
-// look-up reads (its cancel not arrived yet) is not seen; statement_timeout
-// ends it.
-func (w *orderWriter) lookUp(rows []*orderRow, cause error) {
+func (e *statementUnknown) Error() string { return e.err.Error() }
+func (e *statementUnknown) Unwrap() error { return e.err }
+
+// errOutcomeUnknown is an order whose statement was interrupted and whose
+// fate the database could not be asked about: it may be stored. Its request
+// is answered 504 outcome_unknown with the order's id and read token, never
+// a "retry" that would store it twice.
+var errOutcomeUnknown = errors.New("the database did not confirm whether the order was stored")
+
+// writeOn runs the statement for rows on a connection of its own, so that
+// an interrupted statement can be settled: the server process that ran it
+// is known. An error before the statement was sent is returned as it is
+// (nothing can have committed); one after it, without the server's answer,
+// is a *statementUnknown.
+func (w *orderWriter) writeOn(ctx context.Context, rows []*orderRow) error {
+	conn, err := w.db.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("creating the orders: %w", err)
+	}
+	defer conn.Release()
+	// Prepared first, once per connection (pgx keeps it by name): a failure
+	// here is before the statement ran, so nothing can have committed, and
+	// then the statement itself is a single round trip.
+	if _, err := conn.Conn().Prepare(ctx, "insertOrdersAndEvents", insertOrdersAndEvents); err != nil {
+		return fmt.Errorf("preparing the orders' statement: %w", err)
+	}
+	err = w.write(ctx, conn, rows)
+	var pgErr *pgconn.PgError
+	if err != nil && !errors.As(err, &pgErr) && !pgconn.SafeToRetry(err) {
+		return &statementUnknown{backend: conn.Conn().PgConn().PID(), err: err}
+	}
+	return err
+}
+
+// settle finds out which orders of an interrupted statement committed, in
+// two steps on another connection: first the server process that ran the
+// statement is ended and waited for (pg_terminate_backend with a timeout),
+// so that it can commit nothing later; then the orders are looked up. Only
+// then is an order missing from the table not stored, and its request may be
+// told to retry. If either step fails (the database hangs), the orders keep
+// errOutcomeUnknown. It has a budget of its own, the statement's bound: the
+// requests' may be spent.
+//
+// Ending a process by its pid alone: PostgreSQL gives pids out again only
+// after the operating system does, which counts up through pid_max first.
+func (w *orderWriter) settle(rows []*orderRow, interrupted *statementUnknown) {
 	ctx := context.WithoutCancel(rows[0].ctx)
 	if w.statement > 0 {
 		var cancel context.CancelFunc
@@ -295,12 +335,39 @@ func (w *orderWriter) lookUp(rows []*orderRow, cause error) {
 	ids := make([]pgtype.UUID, len(rows))
 	byID := make(map[uuid.UUID]*orderRow, len(rows))
 	for i, r := range rows {
-		ids[i], byID[r.publicID], r.err = pgtype.UUID{Bytes: r.publicID, Valid: true}, r, cause
+		ids[i], byID[r.publicID] = pgtype.UUID{Bytes: r.publicID, Valid: true}, r
+		r.err = fmt.Errorf("%w: %w", errOutcomeUnknown, interrupted)
+	}
+	// Half of the budget for the old process to end: the look-up needs the rest.
+	waitMs := int64(time.Until(deadlineOr(ctx, time.Now().Add(time.Second))) / time.Millisecond / 2)
+	var ended bool
+	err := w.db.QueryRow(ctx, `SELECT pg_terminate_backend($1, $2) OR NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)`,
+		int32(interrupted.backend), max(waitMs, 1)).Scan(&ended)
+	if err != nil || !ended {
+		return // the statement may still commit: its orders stay unknown
 	}
 	res, err := w.db.Query(ctx, `SELECT id, public_id, created_at FROM orders WHERE public_id = ANY ($1)`, ids)
-	if err == nil {
-		_ = readWritten(res, byID) // what it could not read keeps cause
+	if err != nil {
+		return
 	}
+	for _, r := range rows {
+		r.err = fmt.Errorf("the order's statement was interrupted and did not commit: %w", interrupted.err)
+	}
+	if err := readWritten(res, byID); err != nil {
+		for _, r := range rows {
+			if r.id == 0 {
+				r.err = fmt.Errorf("%w: %w", errOutcomeUnknown, interrupted)
+			}
+		}
+	}
+}
+
+// deadlineOr is ctx's deadline, or fallback when it has none.
+func deadlineOr(ctx context.Context, fallback time.Time) time.Time {
+	if d, ok := ctx.Deadline(); ok {
+		return d
+	}
+	return fallback
 }
 
 // refusedByData reports a statement the database refused for what a row
@@ -354,9 +421,9 @@ var insertOrdersAndEvents = `WITH o AS (
 )
 SELECT id, public_id, created_at FROM o`
 
-// write runs insertOrdersAndEvents for rows and gives each its outcome; an
-// error is the statement's, for every row.
-func (w *orderWriter) write(ctx context.Context, rows []*orderRow) error {
+// write runs insertOrdersAndEvents for rows on conn and gives each its
+// outcome; an error is the statement's, for every row.
+func (w *orderWriter) write(ctx context.Context, conn *pgxpool.Conn, rows []*orderRow) error {
 	n := len(rows)
 	ids, customers, items, totals := make([]pgtype.UUID, n), make([]string, n), make([]string, n), make([]int64, n)
 	keys, hashes, payloads, traceparents := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
@@ -369,7 +436,7 @@ func (w *orderWriter) write(ctx context.Context, rows []*orderRow) error {
 		byID[r.publicID] = r
 		r.err = errOrderConflict // until the statement returns its row
 	}
-	res, err := w.db.Query(ctx, insertOrdersAndEvents, ids, customers, items, totals, keys, hashes,
+	res, err := conn.Query(ctx, "insertOrdersAndEvents", ids, customers, items, totals, keys, hashes,
 		eventOrderCreated, payloads, traceparents)
 	if err == nil {
 		err = readWritten(res, byID)

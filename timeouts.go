@@ -59,8 +59,11 @@ type timeouts struct {
 	// Dependencies while serving.
 	//
 	// request: one API request's database and Redis calls together
-	// (KUMIKO_HTTP_DEPENDENCY_TIMEOUT), far below a client's patience: a hung
-	// dependency is a 503 with Retry-After, not a request that waits.
+	// (KUMIKO_HTTP_DEPENDENCY_TIMEOUT, 5 s). Seconds, because the database is
+	// every instance's: a budget of a few round trips (it was 500 ms) turns
+	// a shared PostgreSQL that is slow but working into a fleet-wide outage.
+	// A hung dependency is still a 503 with Retry-After within it; what keeps
+	// the instance from drowning in waiting requests is the admission limit.
 	request time.Duration
 	// demo:begin (the orders demo's deadlines; scripts/new-service.sh --bare removes this block)
 	// search: Meilisearch's share of a search request's budget (half of
@@ -80,6 +83,11 @@ type timeouts struct {
 	// statement cut short leaves its outcome to be looked up.
 	orderStatement time.Duration
 	// demo:end
+	// stateRecord: writing a state change to the outbox (events.go), on the
+	// goroutine that changes the state, the drain's among them: twice a slow
+	// shared database's round trip (600 ms), so the draining event is kept
+	// while the database is slow, and no more, since the drain waits for it.
+	stateRecord time.Duration
 	// backgroundCall: one call of a background loop (a heartbeat, a lock
 	// renewal, a fence read): a hung dependency costs the loop this, and a
 	// stop waits at most this for a call in flight.
@@ -243,6 +251,7 @@ func newTimeouts(c config) timeouts {
 		commitMargin:   c.HTTP.DependencyTimeout / 5,
 		orderStatement: c.HTTP.DependencyTimeout,
 		// demo:end
+		stateRecord:      2 * time.Second,
 		backgroundCall:   time.Second,
 		jobCall:          min(10*time.Second, c.Jobs.Timeout/6),
 		optionalPhase:    min(l.OptionalDependencyTimeout, l.PhaseTimeout),
