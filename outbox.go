@@ -42,7 +42,7 @@ type outboxEvent struct {
 // business row and its event commit, or roll back, together. The payload is
 // public: GET /api/events shows it to anyone, so it carries only what anyone
 // may read; a subscriber loads the rest by aggregateID, which stays inside.
-func writeOutboxEvent(ctx context.Context, tx pgx.Tx, aggregateType, aggregateID, eventType string, payload any) (int64, error) {
+func writeOutboxEvent(ctx context.Context, tx rowQuerier, aggregateType, aggregateID, eventType string, payload any) (int64, error) {
 	body, err := json.Marshal(payload)
 	if err != nil {
 		return 0, fmt.Errorf("encoding the %s payload: %w", eventType, err)
@@ -54,6 +54,12 @@ func writeOutboxEvent(ctx context.Context, tx pgx.Tx, aggregateType, aggregateID
 		return 0, fmt.Errorf("writing the %s event: %w", eventType, err)
 	}
 	return id, nil
+}
+
+// rowQuerier is a transaction, or a pool for a statement that is a
+// transaction of its own.
+type rowQuerier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
 // outboxPoller delivers its instance's share of the outbox (outboxShare):
