@@ -263,11 +263,12 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	addAPIRoutes(e, a.lc, a.health, a.features, deps, a.cfg.HTTP, a.admission, a.backlog, &a.inFlight, &a.rejecting, a.tracing.tracer)
 	a.metrics.apiConnsMax.Set(float64(a.cfg.HTTP.MaxConns))
 	api, err := listenHTTP(componentAPI, a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP,
-		connCap{max: int(a.cfg.HTTP.MaxConns), open: a.metrics.apiConns}, a.log, a.serverFailed)
+		apiConnCap(a.cfg.HTTP, a.metrics), a.log, a.serverFailed)
 	if err != nil {
 		return err
 	}
 	a.api = api
+	api.registerConnectionsCheck(a.health)
 
 	a.admin.mount(newEcho(a.log, a.metrics, componentOps), a.cfg.AdminToken, a.timeouts.request, a.lc,
 		adminRoutes(a.redis, a.jobs, a.features, deps))

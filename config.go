@@ -115,6 +115,7 @@ type httpConfig struct {
 	ConcurrencyMax    uint
 	LatencyTolerance  uint
 	MaxConns          uint // the API listener's open connections, at most (0: no cap)
+	MaxConnsPerClient uint // one client address's share of them, trusted proxies exempt (0: no bound)
 	DependencyTimeout time.Duration
 	SlowMax           time.Duration
 	DemoEndpoints     bool
@@ -218,7 +219,9 @@ func (c *config) settings() []configSetting {
 		{key: "http.latencyTolerance", env: "KUMIKO_API_LATENCY_TOLERANCE", def: "200", value: uintValue{p: &c.HTTP.LatencyTolerance, min: 101, max: 1000},
 			doc: "percent: the limit shrinks while the median API latency is above this share of its long-term baseline; higher trades latency for goodput"},
 		{key: "http.maxConns", env: "KUMIKO_API_MAX_CONNS", def: "8192", value: uintValue{p: &c.HTTP.MaxConns},
-			doc: "API connections open at once, event streams included; past it new ones wait in the kernel's accept queue, so memory stays bounded however many clients connect; 0 turns the cap off"},
+			doc: "API connections open at once, event streams included; at the cap a new one takes the place of the longest idle keep-alive connection or of one silent (no request header) for " + silentConnGrace.String() + ", and while there is none it waits in the kernel's accept queue, so memory stays bounded however many clients connect; 0 turns the cap off"},
+		{key: "http.maxConnsPerClient", env: "KUMIKO_API_MAX_CONNS_PER_CLIENT", def: "1024", value: uintValue{p: &c.HTTP.MaxConnsPerClient},
+			doc: "API connections one client address may hold while the cap is on; a further one is closed at once, unanswered; the addresses in KUMIKO_TRUSTED_PROXIES are exempt (every connection through a load balancer has its address); 0 turns the bound off"},
 		{key: "http.dependencyTimeout", env: "KUMIKO_HTTP_DEPENDENCY_TIMEOUT", def: "5s", value: durationValue{p: &c.HTTP.DependencyTimeout},
 			doc: "one API request's database and Redis calls together; past it, 503 with Retry-After (504 outcome_unknown for an order that may be stored). Seconds, not milliseconds: a slow shared database slows requests down before it fails them; the admission limit, not this budget, protects the instance"},
 		{key: "http.slowMax", env: "KUMIKO_SLOW_MAX", def: "60s", value: durationValue{p: &c.HTTP.SlowMax},
@@ -226,7 +229,7 @@ func (c *config) settings() []configSetting {
 		{key: "http.demoEndpoints", env: "KUMIKO_DEMO_ENDPOINTS", def: "true", value: boolValue{p: &c.HTTP.DemoEndpoints},
 			doc: "serve /api/slow; the k8s manifests turn it off"},
 		{key: "http.trustedProxies", env: "KUMIKO_TRUSTED_PROXIES", value: prefixListValue{p: &c.HTTP.TrustedProxies},
-			doc: "load balancers whose X-Forwarded-For names the client for the rate limit and the stream cap; empty: the connection's own address"},
+			doc: "load balancers whose X-Forwarded-For names the client for the rate limit and the stream cap, exempt from the per-client connection bound; empty: the connection's own address"},
 
 		{key: "ops.addr", env: "KUMIKO_OPS_ADDR", def: ":9090", value: addrValue{p: &c.OpsAddr},
 			doc: "probes, metrics and admin routes; bound in phase 2, closed last"},

@@ -8,12 +8,17 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/netip"
+	"os"
 	"regexp"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 // /api/slow checks ms before multiplying and caps it at KUMIKO_SLOW_MAX.
@@ -152,27 +157,82 @@ func TestIPRateLimiterIsBoundedAndPerIP(t *testing.T) {
 	}
 }
 
-// The connection cap's listener: an Accept waiting for a free slot returns
-// as soon as the listener is closed (the drain closes it, possibly at the
-// cap), and a connection closed twice gives its slot back once.
-func TestCapListenerStopsWaitingWhenClosed(t *testing.T) {
+// testCapListener is a capListener on a loopback port, closed at the end of
+// the test; its counters are registered nowhere.
+func testCapListener(t *testing.T, c connCap) *capListener {
+	t.Helper()
 	base, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := newCapListener(base.(*net.TCPListener), 1)
-	client, err := net.Dial("tcp", l.Addr().String())
+	c.reclaimed = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "reclaimed"}, []string{"state"})
+	c.refused = prometheus.NewCounter(prometheus.CounterOpts{Name: "refused"})
+	if c.silentGrace == 0 {
+		c.silentGrace = time.Hour // no test reaches it unless it sets one
+	}
+	l := newCapListener(base.(*net.TCPListener), c)
+	t.Cleanup(func() { l.Close() })
+	return l
+}
+
+// dialFrom connects to addr (host:port) from the loopback address from
+// (127.0.0.2, …): Linux routes all of 127/8 to the loopback interface, so a
+// test plays as many clients as it likes, each with an address of its own.
+func dialFrom(t testing.TB, from, addr string) net.Conn {
+	t.Helper()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(from)}, Timeout: 10 * time.Second}
+	conn, err := d.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer client.Close()
-	held, err := l.Accept() // takes the only slot
-	if err != nil {
-		t.Fatal(err)
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+// acceptWithin is the next connection l accepts, failing the test after within.
+func acceptWithin(t *testing.T, l *capListener, within time.Duration) net.Conn {
+	t.Helper()
+	type accepted struct {
+		conn net.Conn
+		err  error
 	}
+	done := make(chan accepted, 1)
+	go func() {
+		c, err := l.Accept()
+		done <- accepted{c, err}
+	}()
+	select {
+	case a := <-done:
+		if a.err != nil {
+			t.Fatal(a.err)
+		}
+		t.Cleanup(func() { a.conn.Close() })
+		return a.conn
+	case <-time.After(within):
+		t.Fatalf("no connection accepted within %s", within)
+		return nil
+	}
+}
+
+// closedByServer reports whether the server closed conn (end of file or a
+// reset) within the given time, rather than leaving it open.
+func closedByServer(conn net.Conn, within time.Duration) bool {
+	conn.SetReadDeadline(time.Now().Add(within))
+	_, err := conn.Read(make([]byte, 1))
+	return err != nil && !errors.Is(err, os.ErrDeadlineExceeded)
+}
+
+// The connection cap's listener: an Accept waiting for a free slot returns
+// as soon as the listener is closed (the drain closes it, possibly at the
+// cap), and a connection closed twice gives its slot back once.
+func TestCapListenerStopsWaitingWhenClosed(t *testing.T) {
+	l := testCapListener(t, connCap{max: 1})
+	dialFrom(t, "127.0.0.1", l.Addr().String())
+	held := acceptWithin(t, l, 10*time.Second) // takes the only slot
 	if _, ok := held.(interface{ SetWriteBuffer(int) error }); !ok {
 		t.Errorf("an accepted %T cannot size its send buffer (limitSendBuffer)", held)
 	}
+	l.track(held, http.StateActive) // in a request: nothing to close to make room
 
 	waiting := make(chan error, 1)
 	go func() {
@@ -191,7 +251,144 @@ func TestCapListenerStopsWaitingWhenClosed(t *testing.T) {
 
 	held.Close()
 	held.Close()
-	if n := len(l.slots); n != 0 {
-		t.Errorf("%d slots taken after the only connection was closed twice, want 0", n)
+	if l.open != 0 {
+		t.Errorf("%d slots taken after the only connection was closed twice, want 0", l.open)
+	}
+}
+
+// At the cap, a newcomer takes the slot of the connection idle the longest,
+// and only once it is there: idle connections are left alone while nobody
+// waits. While every connection is in a request the newcomer waits, and gets
+// in as soon as one goes idle.
+func TestCapListenerClosesTheLongestIdleForANewcomer(t *testing.T) {
+	l := testCapListener(t, connCap{max: 2})
+	addr := l.Addr().String()
+	first := dialFrom(t, "127.0.0.1", addr)
+	a := acceptWithin(t, l, 10*time.Second)
+	second := dialFrom(t, "127.0.0.1", addr)
+	b := acceptWithin(t, l, 10*time.Second)
+	l.track(a, http.StateIdle)
+	l.track(b, http.StateIdle) // a has been idle the longest
+
+	// Accept waits in the kernel's accept queue: no newcomer, nothing closed.
+	newcomer := make(chan net.Conn, 1)
+	go func() {
+		if c, err := l.Accept(); err == nil {
+			newcomer <- c
+		}
+	}()
+	if closedByServer(first, 200*time.Millisecond) {
+		t.Fatal("an idle connection was closed at the cap with nobody waiting for its slot")
+	}
+	dialFrom(t, "127.0.0.2", addr)
+	select {
+	case c := <-newcomer:
+		defer c.Close()
+		l.track(c, http.StateActive)
+	case <-time.After(10 * time.Second):
+		t.Fatal("a newcomer at the cap was not accepted while a connection was idle")
+	}
+	if !closedByServer(first, 10*time.Second) {
+		t.Error("the connection idle the longest is still open")
+	}
+	if closedByServer(second, 200*time.Millisecond) {
+		t.Error("the connection idle for less time was closed too")
+	}
+	if n := testutil.ToFloat64(l.reclaimed.WithLabelValues("idle")); n != 1 {
+		t.Errorf("kumiko_api_connections_reclaimed_total{state=idle} %v, want 1", n)
+	}
+
+	// Both slots in requests now: the next newcomer waits until one goes idle.
+	l.track(b, http.StateActive)
+	go func() {
+		if c, err := l.Accept(); err == nil {
+			newcomer <- c
+		}
+	}()
+	dialFrom(t, "127.0.0.3", addr)
+	select {
+	case <-newcomer:
+		t.Fatal("a newcomer was accepted while every connection was in a request")
+	case <-time.After(200 * time.Millisecond):
+	}
+	l.track(b, http.StateIdle)
+	select {
+	case c := <-newcomer:
+		c.Close()
+	case <-time.After(10 * time.Second):
+		t.Fatal("the newcomer was not accepted after a connection went idle")
+	}
+	if !closedByServer(second, 10*time.Second) {
+		t.Error("the connection that went idle is still open")
+	}
+}
+
+// At the cap, a connection that has sent no request header for silentGrace
+// gives its slot to a newcomer, and the readiness check says so once, as
+// degraded; one silent for less is left alone until then.
+func TestCapListenerClosesSilentConnectionsPastTheirGrace(t *testing.T) {
+	const grace = 300 * time.Millisecond
+	l := testCapListener(t, connCap{max: 1, silentGrace: grace})
+	addr := l.Addr().String()
+	silent := dialFrom(t, "127.0.0.1", addr)
+	acceptWithin(t, l, 10*time.Second) // silent from its accept on
+	if res := l.connectionsCheck(context.Background()); !res.OK {
+		t.Fatalf("check before anything was closed: %v", res.Detail)
+	}
+
+	start := time.Now()
+	dialFrom(t, "127.0.0.2", addr)
+	acceptWithin(t, l, 10*time.Second)
+	if waited := time.Since(start); waited < grace {
+		t.Errorf("the newcomer got a silent connection's slot after %s, before its grace of %s", waited, grace)
+	}
+	if !closedByServer(silent, 10*time.Second) {
+		t.Error("the silent connection is still open")
+	}
+	res := l.connectionsCheck(context.Background())
+	if res.OK || res.Detail["silentClosed"] != 1 {
+		t.Errorf("check after a silent connection was closed to make room: ok=%v %v, want failed with silentClosed 1", res.OK, res.Detail)
+	}
+	if res := l.connectionsCheck(context.Background()); !res.OK {
+		t.Errorf("the next check, with nothing closed since: %v", res.Detail)
+	}
+}
+
+// A client address holds at most perClient connections; a further one is
+// closed at once while other addresses get in, and its count drops as its
+// connections close. A trusted proxy's address is not bounded.
+func TestCapListenerBoundsEachClientAddress(t *testing.T) {
+	l := testCapListener(t, connCap{max: 10, perClient: 2, trusted: []netip.Prefix{netip.MustParsePrefix("127.0.0.3/32")}})
+	addr := l.Addr().String()
+	dialFrom(t, "127.0.0.2", addr)
+	first := acceptWithin(t, l, 10*time.Second)
+	dialFrom(t, "127.0.0.2", addr)
+	acceptWithin(t, l, 10*time.Second)
+
+	over := dialFrom(t, "127.0.0.2", addr)
+	dialFrom(t, "127.0.0.4", addr)
+	other := acceptWithin(t, l, 10*time.Second) // past the one over its bound
+	if got := other.RemoteAddr().(*net.TCPAddr).IP.String(); got != "127.0.0.4" {
+		t.Fatalf("accepted a connection from %s, want 127.0.0.4's", got)
+	}
+	if !closedByServer(over, 10*time.Second) {
+		t.Error("a third connection from an address bounded at 2 is still open")
+	}
+	if n := testutil.ToFloat64(l.refused); n != 1 {
+		t.Errorf("kumiko_api_connections_refused_total %v, want 1", n)
+	}
+
+	first.Close()
+	dialFrom(t, "127.0.0.2", addr)
+	if c := acceptWithin(t, l, 10*time.Second); c.RemoteAddr().(*net.TCPAddr).IP.String() != "127.0.0.2" {
+		t.Error("an address below its bound again was not accepted")
+	}
+
+	for range 4 {
+		dialFrom(t, "127.0.0.3", addr)
+		acceptWithin(t, l, 10*time.Second)
+	}
+	if n := testutil.ToFloat64(l.refused); n != 1 {
+		t.Errorf("a trusted proxy's connections were refused: kumiko_api_connections_refused_total %v, want 1", n)
 	}
 }

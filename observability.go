@@ -80,6 +80,8 @@ type metrics struct {
 	admissionLimit       prometheus.Gauge
 	apiConns             prometheus.Gauge
 	apiConnsMax          prometheus.Gauge
+	apiConnsReclaimed    *prometheus.CounterVec
+	apiConnsRefused      prometheus.Counter
 	admissionInFlight    prometheus.Gauge
 	admissionShed        prometheus.Counter
 	admissionBaseline    prometheus.Gauge
@@ -149,7 +151,13 @@ func newMetrics() *metrics {
 			Namespace: metricNamespace, Name: "api_connections", Help: "Connections open on the API port, event streams included.",
 		}),
 		apiConnsMax: f.NewGauge(prometheus.GaugeOpts{
-			Namespace: metricNamespace, Name: "api_connections_max", Help: "KUMIKO_API_MAX_CONNS: at this many open connections the API port stops accepting until one closes (0: no cap).",
+			Namespace: metricNamespace, Name: "api_connections_max", Help: "KUMIKO_API_MAX_CONNS: at this many open connections a new one takes the place of an idle or silent one, and the API port stops accepting while none is (0: no cap).",
+		}),
+		apiConnsReclaimed: f.NewCounterVec(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "api_connections_reclaimed_total", Help: "API connections closed at the cap to make room for a new one, by state: idle (keep-alive between requests) or silent (no request header for 500ms).",
+		}, []string{"state"}),
+		apiConnsRefused: f.NewCounter(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "api_connections_refused_total", Help: "API connections closed at once, unanswered, because their client address held KUMIKO_API_MAX_CONNS_PER_CLIENT already.",
 		}),
 		admissionInFlight: f.NewGauge(prometheus.GaugeOpts{
 			Namespace: metricNamespace, Name: "api_concurrency_in_flight", Help: "API requests admitted by the concurrency limit and not yet answered.",

@@ -133,11 +133,12 @@ const hardStopGrace = abandonGrace / 2
 
 // silentConnGrace: in the drain, an API connection that has not sent a
 // whole request header this long after it was accepted is closed rather than
-// waited for. Clients send their request as soon as their handshake is done;
-// what stays silent is a browser's or a connection pool's unused preconnect,
-// which net/http's Shutdown counts as busy for 5 s. The price: a request
-// whose header takes longer than this to arrive is cut when the drain
-// reaches it.
+// waited for; at the connection cap it is closed to make room for a new one
+// (capListener). Clients send their request as soon as their handshake is
+// done; what stays silent is a browser's or a connection pool's unused
+// preconnect, which net/http's Shutdown counts as busy for 5 s, or a
+// slow-header attack. The price: a request whose header takes longer than
+// this to arrive is cut when the drain or a newcomer at the cap reaches it.
 const silentConnGrace = 500 * time.Millisecond
 
 // cancelGrace bounds a PostgreSQL cancel request; a hung server never takes it.
