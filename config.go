@@ -223,7 +223,7 @@ func (c *config) settings() []configSetting {
 		{key: "http.maxConnsPerClient", env: "KUMIKO_API_MAX_CONNS_PER_CLIENT", def: "1024", value: uintValue{p: &c.HTTP.MaxConnsPerClient},
 			doc: "API connections one client address may hold while the cap is on; a further one is closed at once, unanswered; the addresses in KUMIKO_TRUSTED_PROXIES are exempt (every connection through a load balancer has its address); 0 turns the bound off"},
 		{key: "http.dependencyTimeout", env: "KUMIKO_HTTP_DEPENDENCY_TIMEOUT", def: "5s", value: durationValue{p: &c.HTTP.DependencyTimeout},
-			doc: "one API request's database and Redis calls together; past it, 503 with Retry-After (504 outcome_unknown for an order that may be stored). Seconds, not milliseconds: a slow shared database slows requests down before it fails them; the admission limit, not this budget, protects the instance"},
+			doc: "one API request's database and Redis calls together; past it, 503 with Retry-After. Seconds, not milliseconds: a slow shared database slows requests down before it fails them; the admission limit, not this budget, protects the instance"},
 		{key: "http.slowMax", env: "KUMIKO_SLOW_MAX", def: "60s", value: durationValue{p: &c.HTTP.SlowMax},
 			doc: "cap on GET /api/slow?ms=", old: "http.slowMaxSec"},
 		{key: "http.demoEndpoints", env: "KUMIKO_DEMO_ENDPOINTS", def: "true", value: boolValue{p: &c.HTTP.DemoEndpoints},

@@ -278,12 +278,13 @@ func TestPostgresHungRequestsAnswerAndTheDrainIsBounded(t *testing.T) {
 
 	// Frozen again, then SIGTERM.
 	pg.Freeze()
-	if a := postOrder(client, api, ""); a.status != http.StatusServiceUnavailable { // the poller is stuck by now
-		t.Errorf("frozen again: %s", a)
+	// The poller is stuck by now. A statement already sent is unknown, not refused.
+	if a := postOrder(client, api, ""); a.status != http.StatusServiceUnavailable && (a.status != http.StatusGatewayTimeout || a.orderID() == "") {
+		t.Errorf("frozen again: %s %s, want 503, or 504 outcome_unknown with the order's id", a, a.body)
 	}
 	sent := time.Now()
 	p.signal(syscall.SIGTERM)
-	code := p.wait(15 * time.Second) // the budget
+	code := p.wait(20 * time.Second) // the budget, 15 s, and a margin for a busy machine
 	t.Logf("SIGTERM → exit %d in %s", code, time.Since(sent).Round(time.Millisecond))
 	for _, l := range p.logsMatching(map[string]any{"msg": "lifecycle"}) {
 		if l["step"] != nil {
