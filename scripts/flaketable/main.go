@@ -16,8 +16,10 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 )
@@ -43,13 +45,14 @@ func main() {
 		os.Exit(2)
 	}
 	failures := map[string]*failure{}
+	src := newSources()
 	for i, path := range os.Args[1:] {
 		f, err := os.Open(path)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "flaketable:", err)
 			os.Exit(2)
 		}
-		failed, err := readRun(f)
+		failed, err := readRun(f, src)
 		f.Close()
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "flaketable: reading %s: %v\n", path, err)
@@ -92,12 +95,54 @@ func main() {
 // or the test binary's timeout.
 var failingLine = regexp.MustCompile(`^\s*(\S+_test\.go:\d+: |panic: |fatal error: |test timed out|.*\[build failed\])`)
 
+// testLine is the position a t.Log or t.Error line starts with.
+var testLine = regexp.MustCompile(`^\s*(\S+_test\.go):(\d+): `)
+
+// sources reads test files to tell a t.Log line from a failure's: go test
+// prints both the same way, and a failing test's first line is often a log.
+type sources struct {
+	root   string              // the module's directory
+	module string              // the module path, from go.mod
+	files  map[string][]string // by path, the lines
+}
+
+// isLog reports whether line was printed by a t.Log or t.Logf call of
+// package pkg, read from the source it names (run from the module's root).
+func (s *sources) isLog(pkg, line string) bool {
+	m := testLine.FindStringSubmatch(line)
+	if m == nil {
+		return false
+	}
+	dir := strings.TrimPrefix(strings.TrimPrefix(pkg, s.module), "/")
+	path := filepath.Join(s.root, dir, m[1])
+	lines, ok := s.files[path]
+	if !ok {
+		raw, _ := os.ReadFile(path) // an unreadable file: every line counts
+		lines = strings.Split(string(raw), "\n")
+		s.files[path] = lines
+	}
+	n, _ := strconv.Atoi(m[2])
+	return n >= 1 && n <= len(lines) && strings.Contains(lines[n-1], ".Log")
+}
+
+func newSources() *sources {
+	s := &sources{root: ".", files: map[string][]string{}}
+	if mod, err := os.ReadFile("go.mod"); err == nil {
+		for l := range strings.Lines(string(mod)) {
+			if rest, ok := strings.CutPrefix(l, "module "); ok {
+				s.module = strings.TrimSpace(rest)
+			}
+		}
+	}
+	return s
+}
+
 // readRun returns the tests that failed in one run, each with its first
 // failing line. A subtest's failure also fails its parent: only the deepest
 // failing tests are kept, so a table names the subtest, not its parents.
 // A package that failed with no failing test (a build error, a crash between
 // tests) is named as the package.
-func readRun(r io.Reader) (map[string]string, error) {
+func readRun(r io.Reader, src *sources) (map[string]string, error) {
 	firstLine := map[string]string{} // by "package.Test", the first failing line seen
 	failed := map[string]bool{}
 	packageFailed := map[string]bool{}
@@ -116,7 +161,7 @@ func readRun(r io.Reader) (map[string]string, error) {
 		switch ev.Action {
 		case "output":
 			line := strings.TrimRight(ev.Output, "\n")
-			if failingLine.MatchString(line) {
+			if failingLine.MatchString(line) && !src.isLog(ev.Package, line) {
 				if ev.Test == "" {
 					if packageLine[key] == "" {
 						packageLine[key] = strings.TrimSpace(line)
