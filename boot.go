@@ -198,7 +198,7 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	// The batch in hand finishes, then the poller leaves the pollers (a Redis release).
-	a.lc.RegisterShutdownHook(componentOutboxPoller, within(a.timeouts.batchFinish+a.timeouts.redisRelease, poller.Stop))
+	a.lc.RegisterShutdownHook(componentOutboxPoller, within(a.timeouts.batchFinish+a.timeouts.redisRelease, poller.stopLosingNothing))
 	a.lc.OnStateChange(recordStateChanges(a.db, a.cfg.InstanceID, a.timeouts.stateRecord, a.log.WithField("component", "events")))
 	return nil
 }

@@ -272,9 +272,10 @@ func runBounded(ctx context.Context, fn func() error) error {
 }
 
 // bestEffortError is the failure of a cleanup whose leftovers expire by
-// themselves (a heartbeat key, the leader lock, the dashboard record): its
-// step is logged as failed, but it does not turn the exit code to 1 — the
-// work itself was finished.
+// themselves (a heartbeat key, the leader lock, the dashboard record), or
+// whose work the next owner takes up (an outbox batch rolled back): its step
+// is logged as failed, but it does not turn the exit code to 1 — nothing
+// was lost.
 type bestEffortError struct{ err error }
 
 func (e *bestEffortError) Error() string { return "best-effort cleanup failed: " + e.err.Error() }

@@ -94,6 +94,19 @@ type outboxPoller struct {
 	wakeQ    chan outboxEvent // buffered 1: the newest numbered event, for runWaker
 }
 
+// stopLosingNothing is the poller's release hook: Stop, where a hard stop
+// loses nothing. A batch the drain's share could not finish (a slow shared
+// database) rolled back, and its events stay pending for the next poller:
+// the step is logged as failed, but it does not turn the exit code to 1.
+// Goroutines that outlived the hard stop still do.
+func (p *outboxPoller) stopLosingNothing(ctx context.Context) error {
+	err := p.Stop(ctx)
+	if errors.Is(err, errStoppedHard) {
+		return &bestEffortError{err: fmt.Errorf("%w; the batch in hand rolled back and its events stay pending", err)}
+	}
+	return err
+}
+
 // outboxPollerDeps is what newOutboxPoller builds a poller from.
 type outboxPollerDeps struct {
 	db         *pgxpool.Pool

@@ -58,6 +58,11 @@ const (
 // not have to be hard.
 var errStopped = errors.New("component stopped")
 
+// errStoppedHard is wrapped in Stop's error when ctx ended before the
+// component finished by itself and the hard stop (cancelling its work) ended
+// it: its goroutines are gone, its work in hand was cut short.
+var errStoppedHard = errors.New("stopped hard")
+
 // errStillRunning is wrapped in Stop's error when a goroutine outlived the
 // hard stop and hardStopGrace.
 var errStillRunning = errors.New("goroutines still running after the hard stop")
@@ -189,7 +194,7 @@ func (s *startStop) Stop(ctx context.Context) error {
 	select {
 	case <-finished:
 		s.stopped(finished)
-		return fmt.Errorf("%s stopped hard: %w", s.component, context.Cause(ctx))
+		return fmt.Errorf("%s %w: %w", s.component, errStoppedHard, context.Cause(ctx))
 	case <-time.After(hardStopGrace):
 	}
 	s.mu.Lock()

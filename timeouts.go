@@ -84,9 +84,10 @@ type timeouts struct {
 	orderStatement time.Duration
 	// demo:end
 	// stateRecord: writing a state change to the outbox (events.go), on the
-	// goroutine that changes the state, the drain's among them: twice a slow
-	// shared database's round trip (600 ms), so the draining event is kept
-	// while the database is slow, and no more, since the drain waits for it.
+	// goroutine that changes the state, the drain's among them: a new
+	// connection and a statement on a shared database 600 ms slow, with room,
+	// so the draining event is kept while the database is slow; no more,
+	// since the drain waits for it.
 	stateRecord time.Duration
 	// backgroundCall: one call of a background loop (a heartbeat, a lock
 	// renewal, a fence read): a hung dependency costs the loop this, and a
@@ -252,7 +253,7 @@ func newTimeouts(c config) timeouts {
 		commitMargin:   c.HTTP.DependencyTimeout / 5,
 		orderStatement: c.HTTP.DependencyTimeout,
 		// demo:end
-		stateRecord:      2 * time.Second,
+		stateRecord:      3 * time.Second,
 		backgroundCall:   time.Second,
 		jobCall:          min(10*time.Second, c.Jobs.Timeout/6),
 		optionalPhase:    min(l.OptionalDependencyTimeout, l.PhaseTimeout),
