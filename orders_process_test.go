@@ -231,7 +231,8 @@ func TestRedisHungIdempotentOrderFallsBackToTheUniqueKey(t *testing.T) {
 // PostgreSQL frozen (SIGSTOP): every request is answered 503 with
 // Retry-After within its budget, readiness turns 503, and SIGTERM ends the
 // process within its shutdown budget — every release bounded on its own —
-// with exit 1 (the poller's batch could not finish) and every step's line.
+// with exit 1 (the jobs worker and the pool could not stop cleanly; the
+// poller's batch rolls back, which loses nothing) and every step's line.
 func TestPostgresHungRequestsAnswerAndTheDrainIsBounded(t *testing.T) {
 	t.Parallel()
 	pg, env := ownPostgresEnv(t)
@@ -292,7 +293,7 @@ func TestPostgresHungRequestsAnswerAndTheDrainIsBounded(t *testing.T) {
 		}
 	}
 	if code != 1 {
-		t.Errorf("exit code %d, want 1: the outbox batch in hand could not finish", code)
+		t.Errorf("exit code %d, want 1: the jobs worker's stop and the pool's close could not finish", code)
 	}
 	if strings.Contains(p.stderr.String(), "KUMIKO_SHUTDOWN_TIMEOUT") {
 		t.Errorf("the drain ran into its budget: a release waited for the hung database")
