@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Usage: scripts/bare-smoke.sh   (commit first: it clones HEAD)
+#
 # bare-smoke.sh: the proof that `scripts/new-service.sh --bare` leaves a
 # service of its own. A clone of this repository's HEAD (commit first) becomes
 # "billing" without the orders demo; then, in the copy: go vet, gofmt, go
@@ -15,8 +17,9 @@
 # Ports for the demo (all below 32768): LB_PORT, PG_PORT, REDIS_PORT,
 # API_PORT1/2, OPS_PORT1/2.
 set -euo pipefail
+source "$(dirname "$0")/lib/help.sh"
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh
+scripts/install-deps.sh tests
 export PATH="$PATH:$(go env GOPATH)/bin"
 
 WORK=$(mktemp -d /tmp/bare-smoke.XXXXXX)

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Usage: scripts/compose-smoke.sh   (root, Debian; RATE in the environment)
+#
 # compose-smoke.sh: runs the real docker-compose.yml with Docker and checks
 # what docs/operations.md promises of it: `up --wait` gets healthy, HAProxy spreads
 # load over app1 and app2, `docker compose kill -s SIGTERM app1` drains with
@@ -13,11 +15,12 @@
 # clearly labelled local stand-in from Debian packages and Go modules
 # (deploy/standins/, tagged with the name the compose file uses, so that file
 # stays unchanged). Built images are kept: later runs reuse them. These steps
-# live in scripts/docker-lib.sh, which scripts/k8s-smoke.sh uses too.
+# live in scripts/lib/docker.sh, which scripts/k8s-smoke.sh uses too.
 #
 # Prints one summary line; exits non-zero on any failure, after printing what
 # it saw. Load goes to 127.0.0.1 only. Knobs: RATE (req/s, default 50).
 set -euo pipefail
+source "$(dirname "$0")/lib/help.sh"
 cd "$(dirname "$0")/.."
 
 PROJECT=kumiko-smoke
@@ -88,10 +91,10 @@ on_exit() {
 trap on_exit EXIT
 trap 'exit 130' INT TERM
 
-# ---- tools, engine, CLI plugins and images (scripts/docker-lib.sh) ----
+# ---- tools, engine, CLI plugins and images (scripts/lib/docker.sh) ----
 DOCKER_LOGS=$WORK
-# shellcheck source=scripts/docker-lib.sh
-. scripts/docker-lib.sh
+# shellcheck source=scripts/lib/docker.sh
+. scripts/lib/docker.sh
 STEP="tools"
 docker_tools
 STEP="engine"

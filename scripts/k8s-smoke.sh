@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Usage: scripts/k8s-smoke.sh   (root, Debian; RATE and KUMIKO_K8S_CACHE in the environment)
+#
 # k8s-smoke.sh: runs k8s/ as shipped (plus the one dev overlay, k8s/dev/) on a
 # one-node Kubernetes cluster built from source on this machine, and checks
 # what docs/operations.md's Kubernetes section promises of it:
@@ -23,7 +25,7 @@
 # bridge plugin from Debian. Binaries are cached in $KUMIKO_K8S_CACHE
 # (default /var/cache/kumiko-k8s, outside the checkout), keyed by version.
 # Images: postgres, redis and the Dockerfile's bases, present, pulled or built
-# as stand-ins by scripts/docker-lib.sh (as scripts/compose-smoke.sh does; after
+# as stand-ins by scripts/lib/docker.sh (as scripts/compose-smoke.sh does; after
 # it they are reused), the app image built from this checkout, and a pause
 # stand-in, copied from Docker into this cluster's own containerd.
 #
@@ -34,6 +36,7 @@
 # Debian with cgroup v1 or v2. Prints one summary line; exits non-zero on any
 # failure after printing what it saw. Knobs: RATE (req/s, default 240).
 set -euo pipefail
+source "$(dirname "$0")/lib/help.sh"
 cd "$(dirname "$0")/.."
 
 K8S_VERSION=v1.34.2
@@ -283,8 +286,8 @@ done
 # Docker, its stand-in images and vegeta: the steps scripts/compose-smoke.sh
 # takes too, so this script also works alone on a fresh machine.
 DOCKER_LOGS=$LOGS
-# shellcheck source=scripts/docker-lib.sh
-. scripts/docker-lib.sh
+# shellcheck source=scripts/lib/docker.sh
+. scripts/lib/docker.sh
 ((${#missing[@]} == 0)) || apt_install "${missing[@]}"
 docker_tools
 

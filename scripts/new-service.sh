@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# new-service.sh MODULE NAME [--bare] — turn a fresh copy of this template into service NAME.
+# Usage: scripts/new-service.sh MODULE NAME [--bare]
+#
+# Turns a fresh copy of this template into service NAME.
 #
 #   scripts/new-service.sh example.com/acme/orders-svc orders-svc
 #   scripts/new-service.sh example.com/acme/billing billing --bare   # without the orders demo
@@ -24,7 +26,12 @@
 # "demo:end" markers elsewhere (its table in the migrations, its feed on the
 # dashboard page, its lines in scripts and the README). What is left is the
 # lifecycle: boot, health, drain, outbox, jobs, leader, streams, /api/slow.
+#
+# It says each step as it goes; the last, regenerating the example config
+# file and docs/configuration.md, compiles the copy (about a minute the first
+# time).
 set -euo pipefail
+source "$(dirname "$0")/lib/help.sh"
 
 die() { echo "new-service: $*" >&2; exit 1; }
 
@@ -80,6 +87,7 @@ camel=$(printf '%s' "$name" | awk -F- '{for (i = 1; i <= NF; i++) printf "%s", t
 # 60 bits of a hash of NAME: a positive int64, different for every name.
 lock=0x$(printf '%s' "$name" | sha256sum | cut -c1-15)
 
+echo "new-service: renaming the naming block in app.go, the template's own files, and every spelling of the old name…"
 # 1. The naming block in app.go: every name the Go code uses derives from it.
 perl -0pi -e '
   s/(serviceName\s*=\s*)"kumiko-lifecycle-demo"/${1}"'"$name"'"/ or die "serviceName not found\n";
@@ -118,6 +126,7 @@ demo_files=(
   scripts/bench-followup.sh scripts/meilistandin scripts/riverbench
 )
 if $bare; then
+  echo "new-service: --bare: removing the orders demo and numbering the migrations again…"
   for f in "${demo_files[@]}"; do
     [ -e "$f" ] || die "--bare: $f is not in this copy (the template changed; update demo_files)"
     if $in_git; then git rm -rq -- "$f"; else rm -rf -- "$f"; fi
@@ -182,6 +191,7 @@ gofmt -l -w . >/dev/null || die "gofmt failed on the rewritten Go files"
 # names made longer or shorter, and --bare removed the demo's settings: it and
 # docs/configuration.md's reference are generated again from the settings table.
 example=$(ls ./*.config.example.yaml)
+echo "new-service: regenerating $example and docs/configuration.md (go test compiles the copy: about a minute the first time)…"
 go test -count=1 -run '^(TestExampleConfigFile|TestConfigReferenceInDocs)$' . -update >/dev/null ||
   die "regenerating $example and docs/configuration.md failed: go test -run 'TestExampleConfigFile|TestConfigReferenceInDocs' . -update"
 

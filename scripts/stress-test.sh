@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Usage: scripts/stress-test.sh [-n N] [--hogs K] [--suite] [go test flags]
+#
 # The flake finder: runs tests N times in a row while K other processes keep
 # cores busy, in the suite's own parallelism, and prints a table of the tests
 # that failed, in how many runs, and the first line each failure printed. A

@@ -1,4 +1,4 @@
-# docker-lib.sh: what both smoke tests need from Docker, in one place, so each
+# docker.sh: what both smoke tests need from Docker, in one place, so each
 # works on its own on a fresh machine. Source it after defining say, fail and
 # STEP, with DOCKER_LOGS set to a directory for its logs. It provides:
 #   docker_tools     docker.io, jq, curl (Debian) and vegeta (go install) when missing
