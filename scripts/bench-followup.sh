@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Usage: scripts/bench-followup.sh   (settings in the environment, below)
+#
 # The work after an order (issue 36), one instance, PostgreSQL with fsync
 # off, S3 (versitygw) and a Meilisearch stand-in (scripts/meilistandin)
 # answering in MEILI_LATENCY. Every order is followed up twice: indexed
@@ -20,8 +22,9 @@
 #   scripts/bench-followup.sh
 #   SUSTAIN=20s BACKLOG=10000 DELIVERY=0 scripts/bench-followup.sh   # shorter; DELIVERY=0 skips 5.
 set -euo pipefail
+source "$(dirname "$0")/lib/help.sh"
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh
+scripts/install-deps.sh bench
 export PATH="$PATH:$(go env GOPATH)/bin"
 
 WORKERS=${WORKERS:-32} DURATION=${DURATION:-10s} SUSTAIN=${SUSTAIN:-60s} BACKLOG=${BACKLOG:-30000}
@@ -29,10 +32,11 @@ DELIVERY=${DELIVERY:-60000} MEILI_LATENCY=${MEILI_LATENCY:-5ms}
 LB_PORT=0 PG_PORT=${PG_PORT:-25438} REDIS_PORT=${REDIS_PORT:-26385} S3_PORT=${S3_PORT:-27070} MEILI_PORT=${MEILI_PORT:-27700}
 API_PORT1=${API_PORT1:-18095} OPS_PORT1=${OPS_PORT1:-18096} DIR=${BENCH_DIR:-$PWD/.bench-followup}
 export KUMIKO_LOG_FORMAT=json KUMIKO_API_RATE_LIMIT=0 # one client address: the per-address limit is lifted
-source scripts/lib.sh
+source scripts/lib/stack.sh
 check_ports PG_PORT="$PG_PORT" REDIS_PORT="$REDIS_PORT" S3_PORT="$S3_PORT" MEILI_PORT="$MEILI_PORT" \
   API_PORT1="$API_PORT1" OPS_PORT1="$OPS_PORT1" || exit 1
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap on_signal INT TERM
 
 start_services
 for tool in overload meilistandin riverbench; do go build -o "$DIR/$tool" "./scripts/$tool"; done

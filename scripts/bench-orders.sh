@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Usage: scripts/bench-orders.sh   (settings in the environment, below)
+#
 # POST /api/orders at the limit, three ways, on the same machine and the same
 # throwaway PostgreSQL, one after the other:
 #   1. the service (one instance; tracing, metrics and the outbox on),
@@ -19,8 +21,9 @@
 #   PROFILE=/tmp/prof scripts/bench-orders.sh       # also keep the service's CPU and allocation
 #                                                   # profiles of each mode's run in /tmp/prof/fsync-MODE
 set -euo pipefail
+source "$(dirname "$0")/lib/help.sh"
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh
+scripts/install-deps.sh bench
 export PATH="$PATH:$(go env GOPATH)/bin"
 
 WORKERS=${WORKERS:-32} DURATION=${DURATION:-10s} FSYNC_MODES=${FSYNC_MODES:-off on}
@@ -29,9 +32,10 @@ API_PORT1=${API_PORT1:-18091} OPS_PORT1=${OPS_PORT1:-18092} DIR=${BENCH_DIR:-$PW
 # All the load comes from one client address: the per-address rate limit is
 # lifted, or the figure would be the limit's.
 export KUMIKO_LOG_FORMAT=json KUMIKO_API_RATE_LIMIT=0
-source scripts/lib.sh
+source scripts/lib/stack.sh
 check_ports PG_PORT="$PG_PORT" REDIS_PORT="$REDIS_PORT" REF_PORT="$REF_PORT" API_PORT1="$API_PORT1" OPS_PORT1="$OPS_PORT1" || exit 1
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap on_signal INT TERM
 
 start_services
 go build -o "$DIR/refhandler" ./scripts/refhandler

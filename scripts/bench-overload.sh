@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Usage: scripts/bench-overload.sh   (settings in the environment, below)
+#
 # One instance past its capacity (issue 31), in one run, PostgreSQL with
 # fsync off (the disk out of the picture: the two cores are the limit):
 #   1. its peak sustainable rate P: WORKERS clients at full speed for DURATION,
@@ -31,8 +33,9 @@
 # its own CPU (load_cpu, in cores): at 1 it is the bottleneck, and the figures
 # past that rate are its own. PIN=0 shares every core.
 set -euo pipefail
+source "$(dirname "$0")/lib/help.sh"
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh
+scripts/install-deps.sh demo
 export PATH="$PATH:$(go env GOPATH)/bin"
 
 WORKERS=${WORKERS:-32} DURATION=${DURATION:-10s} MULTIPLES=${MULTIPLES:-3 2 5} KILL_AFTER=${KILL_AFTER:-3s}
@@ -41,9 +44,10 @@ API_PORT1=${API_PORT1:-18093} OPS_PORT1=${OPS_PORT1:-18094} REFUSE_PORT=${REFUSE
 # All the load comes from one client address: the per-address rate limit is
 # lifted, or the figure would be the limit's.
 export KUMIKO_LOG_FORMAT=json KUMIKO_API_RATE_LIMIT=0
-source scripts/lib.sh
+source scripts/lib/stack.sh
 check_ports PG_PORT="$PG_PORT" REDIS_PORT="$REDIS_PORT" API_PORT1="$API_PORT1" OPS_PORT1="$OPS_PORT1" REFUSE_PORT="$REFUSE_PORT" || exit 1
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap on_signal INT TERM
 
 cores=$(nproc)
 pin=()

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Usage: scripts/bench-sse.sh [fanout|drain]   (settings in the environment, below)
+#
 # Event-stream benchmarks, two modes.
 #
 # fanout (the default): for each N in STREAMS, a fresh instance, N streams
@@ -25,6 +27,7 @@
 # The load generator runs on the same 2 cores as the instances, PostgreSQL and
 # Redis: the figures are what one machine does with all of them on it.
 set -euo pipefail
+source "$(dirname "$0")/lib/help.sh"
 cd "$(dirname "$0")/.."
 MODE=${1:-${MODE:-fanout}}
 case $MODE in
@@ -34,7 +37,7 @@ fanout | drain) ;;
   exit 2
   ;;
 esac
-scripts/install-deps.sh
+scripts/install-deps.sh demo
 export PATH="$PATH:$(go env GOPATH)/bin"
 
 STREAMS=${STREAMS:-"1000 5000 10000"} RATE=${RATE:-200} DURATION=${DURATION:-10s}
@@ -43,11 +46,12 @@ LB_PORT=0 PG_PORT=${PG_PORT:-25437} REDIS_PORT=${REDIS_PORT:-26384}
 API_PORT1=${API_PORT1:-18093} OPS_PORT1=${OPS_PORT1:-18094} API_PORT2=${API_PORT2:-18095} OPS_PORT2=${OPS_PORT2:-18096}
 DIR=${BENCH_DIR:-$PWD/.bench-sse}
 ulimit -n "$(ulimit -Hn)" # every stream is a descriptor in the instance and in the load tool
-source scripts/lib.sh
+source scripts/lib/stack.sh
 ports=(PG_PORT="$PG_PORT" REDIS_PORT="$REDIS_PORT" API_PORT1="$API_PORT1" OPS_PORT1="$OPS_PORT1")
 [ "$MODE" = drain ] && ports+=(API_PORT2="$API_PORT2" OPS_PORT2="$OPS_PORT2")
 check_ports "${ports[@]}" || exit 1
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap on_signal INT TERM
 
 start_services
 go build -o "$DIR/sseload" ./scripts/sseload
@@ -87,7 +91,7 @@ for jitter in $JITTER; do
   else unset KUMIKO_SSE_RECONNECT_SPREAD; fi
   start_app 1 "$DIR/app1-$jitter.log"
   start_app 2 "$DIR/app2-$jitter.log"
-  wait_ready 1 && wait_ready 2
+  wait_ready 1 2
   "$DIR/sseload" -drain -api "http://127.0.0.1:$API_PORT1,http://127.0.0.1:$API_PORT2" -pid "${app_pids[1]}" \
     -survivor-pid "${app_pids[2]}" -streams "$DRAIN_STREAMS" -rate "$DRAIN_RATE" | tee "$DIR/sseload-$jitter.out"
   wait "${app_pids[1]}" && code=0 || code=$?

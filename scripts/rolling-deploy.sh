@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Usage: scripts/rolling-deploy.sh   (settings in the environment, below)
+#
 # A rolling deploy under load, without Docker: two instances behind HAProxy,
 # a steady load (scripts/rollload) through the load balancer, and each
 # instance in turn stopped with SIGTERM and started again, as an orchestrator
@@ -19,9 +21,13 @@
 #   KUMIKO_LINGER_QUIET=3s KUMIKO_LINGER=3s scripts/rolling-deploy.sh  # a fixed linger instead of the adaptive one
 #   RATE=0 scripts/rolling-deploy.sh               # no traffic: SIGTERM → exit of an idle instance
 #   LB_CHECK_INTERVAL=500ms scripts/rolling-deploy.sh  # HAProxy's check period; the instances' probe period follows it
+#
+# Ctrl+C stops everything it started, removes ROLL_DIR (.rolling) and exits
+# 130; after a failure the directory keeps the logs and results.
 set -euo pipefail
+source "$(dirname "$0")/lib/help.sh"
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh
+scripts/install-deps.sh demo
 export PATH="$PATH:$(go env GOPATH)/bin"
 
 RATE=${RATE:-500} STEADY=${STEADY:-10s} LOAD=${LOAD:-slow}
@@ -34,16 +40,21 @@ export KUMIKO_READINESS_PROBE_PERIOD=${KUMIKO_READINESS_PROBE_PERIOD:-$LB_CHECK_
 # All the load comes from one address (rollload's), which the per-address rate
 # limit would otherwise cut at KUMIKO_API_RATE_LIMIT requests/s.
 export KUMIKO_API_RATE_LIMIT=${KUMIKO_API_RATE_LIMIT:-0}
-source scripts/lib.sh
-trap cleanup EXIT INT TERM
+source scripts/lib/stack.sh
+trap cleanup EXIT
+trap on_signal INT TERM
 
 start_services
+begin "building rollload" "the load generator"
 go build -o "$DIR/rollload" ./scripts/rollload
+begin "booting app1 and app2" "logs in $DIR/app1.log and app2.log: a few seconds"
 start_app 1 "$DIR/app1.log"
 start_app 2 "$DIR/app2.log"
-wait_ready 1 && wait_ready 2
+wait_ready 1 2
+begin "waiting for HAProxy" "on :$LB_PORT, until it marks both instances UP: a second or two"
 start_lb
-wait_lb 1 UP && wait_lb 2 UP
+wait_lb 1 UP
+wait_lb 2 UP
 
 lb="http://127.0.0.1:$LB_PORT"
 case $LOAD in
@@ -72,12 +83,15 @@ orders)
 *) echo "LOAD $LOAD is not one this script knows (see its header)" >&2; exit 2 ;;
 esac
 load=("$DIR/rollload" attack -targets="$DIR/targets" -rate="$RATE" -timeout=10s)
+stage="sending the steady load"
 echo "steady state: $RATE requests/s ($LOAD) for $STEADY"
 "${load[@]}" -duration="$STEADY" -out="$DIR/steady.jsonl"
 
+stage=rolling
 echo "rolling: $RATE requests/s while app1, then app2, is stopped with SIGTERM and started again (linger $KUMIKO_LINGER)"
 "${load[@]}" -out="$DIR/roll.jsonl" & # until SIGINT
 attack=$!
+server_pids+=("$attack") # cleanup stops it if the roll fails
 step() { echo "$(date +%s.%N) $*" >>"$DIR/steps"; }
 step "roll load started"
 sleep 1 # some load before the first SIGTERM
@@ -100,6 +114,7 @@ kill -INT "$attack" # rollload stops sending, waits for the answers in flight an
 wait "$attack" || { echo "rollload attack failed: see above" >&2; exit 1; }
 step "roll load stopped"
 
+stage="reading the results"
 # The figures, each instance's SIGTERM → exit, and every failed request
 # placed in the drain step it fell in: rollload report exits 1 when a request
 # failed, 2 when it could not read the results or the logs.

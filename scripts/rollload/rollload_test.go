@@ -184,7 +184,7 @@ func TestSendTellsNewFromReused(t *testing.T) {
 			w.Header().Set("Connection", "close")
 		}
 		if r.URL.Query().Has("fail") {
-			w.Header().Set("X-Served-By", "app1") // what HAProxy adds in scripts/lib.sh
+			w.Header().Set("X-Served-By", "app1") // what HAProxy adds in scripts/lib/stack.sh
 			http.Error(w, `{"error":{"code":"draining"}}`, http.StatusServiceUnavailable)
 		}
 	}))
