@@ -240,8 +240,10 @@ func TestDemoCtrlCBeforeTheBanner(t *testing.T) {
 		// pg_ctl start takes a few hundred ms, about as long as the test may take
 		// to see the line on a busy machine: Ctrl+C may land in the next stage.
 		{"PostgreSQL", "starting PostgreSQL", false, nil},
-		// HAProxy marks an instance UP after two checks 500 ms apart.
-		{"HAProxy", "waiting for HAProxy", true, nil},
+		// The demo waits for a check of each instance to pass, and HAProxy
+		// spreads its first checks over the check interval: app2's comes 2 s
+		// after HAProxy's start with a 4 s interval.
+		{"HAProxy", "waiting for HAProxy", true, func(string) []string { return []string{"LB_CHECK_INTERVAL=4s"} }},
 	} {
 		t.Run(stage.name, func(t *testing.T) {
 			t.Parallel()

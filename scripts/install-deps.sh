@@ -44,7 +44,7 @@ gobin="$(go env GOPATH)/bin"
 # go_tool NAME PACKAGE WHY: go install PACKAGE when NAME is on neither PATH nor gobin.
 go_tool() {
   command -v "$1" >/dev/null || [ -x "$gobin/$1" ] && return 0
-  echo "installing $1 ($3; go install: a minute or two)…" >&2
+  echo "installing $1 ($3; go install compiles it: minutes)…" >&2
   # go install names the binary after its folder (toxiproxy's is cmd/server): it gets its real name.
   local tmp
   tmp=$(mktemp -d)

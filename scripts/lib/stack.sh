@@ -209,7 +209,7 @@ redis_ping() {
 # each.
 start_services() {
   rm -rf "$DIR" && mkdir -p "$DIR" && chmod 755 "$DIR"
-  begin "building the service" "go build: a minute or two the first time, seconds after"
+  begin "building the service" "go build: minutes the first time, seconds after"
   go build -o "$DIR/kumiko-lifecycle-demo" .
   [ "$(id -u)" -eq 0 ] && chown postgres "$DIR"
   begin "creating a PostgreSQL cluster" "initdb in $DIR/pg: a few seconds"
@@ -333,11 +333,15 @@ CFG
 
 # wait_lb N UP|DOWN waits until HAProxy itself reports appN in that state,
 # read from its stats page: HAProxy routes by what its own checks saw, not by
-# what the instance says right now. HAProxy exiting ends the wait at once.
+# what the instance says right now. HAProxy starts with every server UP and
+# checks them one after the other, spread over the check interval: UP counts
+# once a check has passed (check_status L7OK). HAProxy exiting ends the wait
+# at once.
 wait_lb() {
   for _ in $(seq 1 600); do
     curl -fsS "http://127.0.0.1:$LB_PORT/lb-stats;csv" 2>/dev/null |
-      awk -F, -v s="app$1" -v want="$2" '$1 == "apps" && $2 == s && $18 == want { found = 1 } END { exit !found }' && return 0
+      awk -F, -v s="app$1" -v want="$2" '$1 == "apps" && $2 == s && $18 == want && (want != "UP" || $37 ~ /^L7OK/) { found = 1 }
+        END { exit !found }' && return 0
     if ! kill -0 "$lb_pid" 2>/dev/null; then
       reap "$lb_pid"
       echo "HAProxy exited, with code $reaped (set LB_PORT=… to use another port)" >&2
