@@ -16,13 +16,12 @@
 # instead of `go test -race -count=1 ./...`. Every run's output is kept in
 # $STRESS_DIR (default .stress/) as run-N.log; exit 1 when any run failed.
 set -euo pipefail
+source "$(dirname "$0")/lib/help.sh"
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
 runs=5 hogs=1 suite=0
 while (($#)); do
   case "$1" in
-  -h | --help) usage && exit 0 ;;
   -n) runs=$2 && shift 2 ;;
   --hogs) hogs=$2 && shift 2 ;;
   --suite) suite=1 && shift ;;
