@@ -90,7 +90,9 @@ func (a *app) config(ctx context.Context, p *phaseRun) error {
 	setLogFormat(a.log, cfg.LogFormat)
 	a.log.AddHook(redactHook{secrets: append(cfg.secrets(), otlpSecrets(a.getenv)...)})
 	a.log.AddHook(instanceHook{id: cfg.InstanceID})
-	a.log.WithField("component", "config").WithFields(cfg.logFields()).Info("config")
+	for _, g := range cfg.logGroups() {
+		a.log.WithFields(logrus.Fields{"component": "config", "group": g.name}).WithFields(g.fields).Info("config")
+	}
 	for _, d := range cfg.deprecated {
 		a.log.WithFields(logrus.Fields{"component": "config", "file": d.file, "line": d.line, "key": d.key, "use": d.use}).
 			Warn("deprecated config key")

@@ -512,14 +512,46 @@ func portOf(addr string) string {
 	return port
 }
 
-// logFields returns the config as fields for one startup log line, keyed like
-// the file. Secrets are masked.
-func (c config) logFields() map[string]any {
-	fields := make(map[string]any)
-	for _, s := range c.settings() {
-		fields[s.key] = s.value.logValue()
+// configLogGroup is one line of the startup log's config: a section of the
+// file and its settings, keyed like the file, secrets masked.
+type configLogGroup struct {
+	name   string
+	fields map[string]any
+}
+
+// logGroups returns the whole config as a few readable log lines, one per
+// section of the file (a key up to its last dot: "http",
+// "lifecycle.readiness"), in the order of settings(). The settings alone in
+// their section (instanceId, log.format, ops.addr, …) share the first line,
+// "general". Secrets are masked.
+func (c config) logGroups() []configLogGroup {
+	section := func(key string) string {
+		if i := strings.LastIndexByte(key, '.'); i >= 0 {
+			return key[:i]
+		}
+		return key
 	}
-	return fields
+	settings := c.settings()
+	size := map[string]int{}
+	for _, s := range settings {
+		size[section(s.key)]++
+	}
+	groups := []configLogGroup{{name: "general", fields: map[string]any{}}}
+	index := map[string]int{"general": 0}
+	for _, s := range settings {
+		name := section(s.key)
+		if size[name] == 1 {
+			name = "general"
+		}
+		i, ok := index[name]
+		if !ok {
+			i = len(groups)
+			index[name] = i
+			groups = append(groups, configLogGroup{name: name, fields: map[string]any{}})
+		}
+		groups[i].fields[s.key] = s.value.logValue()
+	}
+	return groups
 }
 
 // secrets returns every secret value that is set, so a log hook can scrub

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io/fs"
+	"maps"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -499,17 +500,21 @@ func TestSecretsAreMasked(t *testing.T) {
 			if err != nil {
 				t.Fatalf("loadConfig: %v", err)
 			}
-			fields := c.logFields()
+			groups := c.logGroups()
+			fields := map[string]any{}
+			for _, g := range groups {
+				maps.Copy(fields, g.fields)
+			}
 
-			logged := fmt.Sprint(fields)
+			logged := fmt.Sprint(groups)
 			for _, secret := range tt.secrets {
 				if strings.Contains(logged, secret) {
-					t.Errorf("logFields leaks %q: %s", secret, logged)
+					t.Errorf("logGroups leaks %q: %s", secret, logged)
 				}
 			}
 			for key, want := range tt.fields {
 				if got := fields[key]; got != want {
-					t.Errorf("logFields()[%q] = %v, want %v", key, got, want)
+					t.Errorf("the config log's %s = %v, want %v", key, got, want)
 				}
 			}
 			if got := c.secrets(); !sameStrings(got, tt.secrets) {
@@ -525,17 +530,44 @@ func sameStrings(a, b []string) bool {
 	return slices.Equal(a, b)
 }
 
-func TestLogFieldsListsEverySetting(t *testing.T) {
+// (issue 49) The config is logged whole, as one line per section of the
+// file: every setting once, in the line of its section (the settings alone in
+// theirs share "general", the first line), none of the lines the wall of
+// text the single line was (2,092 characters).
+func TestLogGroupsListEverySetting(t *testing.T) {
 	c, err := loadTestConfig(nil, "")
 	if err != nil {
 		t.Fatalf("loadConfig: %v", err)
 	}
-	fields := c.logFields()
-	if len(fields) != len(c.settings()) {
-		t.Errorf("logFields has %d fields, want one per setting (%d)", len(fields), len(c.settings()))
+	groups := c.logGroups()
+	if groups[0].name != "general" {
+		t.Errorf("the first config line is %q, want general", groups[0].name)
 	}
-	if got := fields["lifecycle.linger"]; got != "3s" {
-		t.Errorf(`logFields()["lifecycle.linger"] = %v, want "3s"`, got)
+	logged := map[string]string{} // key → the group it was logged in
+	for _, g := range groups {
+		if len(g.fields) > 16 {
+			t.Errorf("the config line of %s has %d settings: split the section", g.name, len(g.fields))
+		}
+		for key := range g.fields {
+			if other, twice := logged[key]; twice {
+				t.Errorf("%s logged in %s and in %s", key, other, g.name)
+			}
+			logged[key] = g.name
+		}
+	}
+	if len(logged) != len(c.settings()) {
+		t.Errorf("the config lines hold %d settings, want every setting (%d)", len(logged), len(c.settings()))
+	}
+	for key, group := range map[string]string{"lifecycle.linger": "lifecycle", "lifecycle.readiness.probeTimeout": "lifecycle.readiness",
+		"http.addr": "http", "instanceId": "general", "log.format": "general", "database.url": "database"} {
+		if logged[key] != group {
+			t.Errorf("%s logged in group %q, want %q", key, logged[key], group)
+		}
+	}
+	for _, g := range groups {
+		if g.name == "lifecycle" && g.fields["lifecycle.linger"] != "3s" {
+			t.Errorf(`the config log's lifecycle.linger = %v, want "3s"`, g.fields["lifecycle.linger"])
+		}
 	}
 }
 
