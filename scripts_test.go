@@ -1,7 +1,9 @@
 package main
 
 import (
+	"context"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -211,6 +213,75 @@ func TestDemoCtrlCDrainsTheInstancesFirst(t *testing.T) {
 			t.Errorf("app%s: want its drain on the terminal, then its exit code 0: lines draining %d, last step %d, exit %d, verdict %d",
 				n, draining, lastStep, exitLine, verdict)
 		}
+	}
+	nothingLeft(t, ports, base)
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("the demo left %s behind (%v)", dir, err)
+	}
+}
+
+// (issue 49) Without Docker, one instance comes back without restarting the
+// rest: app1 drained with SIGTERM, `scripts/demo.sh start app1` from a
+// second terminal has the running demo start it again, with its ports, its
+// log on the demo's terminal, ready and routed to by HAProxy; while app1
+// still ran the same command refused. Ctrl+C then drains both, the restarted
+// app1 included, and leaves nothing behind.
+func TestDemoStartBringsAnInstanceBack(t *testing.T) {
+	env, ports, base, dir := demoEnv(t)
+	demo := startDemo(t, env)
+	demo.waitLine(t, 3*time.Minute, "Ctrl+C drains both instances, then stops everything.")
+	start := func() (string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, "bash", "scripts/demo.sh", "start", "app1")
+		cmd.Env = env
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
+	if out, err := start(); err == nil || !strings.Contains(out, "app1 still runs") {
+		t.Errorf("start app1 while app1 runs: %v, want a refusal saying it still runs; output:\n%s", err, out)
+	}
+
+	pid, err := os.ReadFile(filepath.Join(dir, "app1.pid"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, _ := strconv.Atoi(strings.TrimSpace(string(pid)))
+	if err := syscall.Kill(first, syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	demo.waitLine(t, time.Minute, "app1 exited with code 0")
+	out, err := start()
+	if err != nil || !strings.Contains(out, "app1 is ready and HAProxy sends it requests again") {
+		t.Fatalf("start app1 after its drain: %v; output:\n%s", err, out)
+	}
+	demo.waitLine(t, 10*time.Second, "starting app1 again")
+	if code, _, _, err := get(t, http.DefaultClient, "http://127.0.0.1:"+ports["OPS_PORT1"]+"/health/ready"); code != 200 {
+		t.Errorf("app1's readiness after start app1 = %d (%v), want 200", code, err)
+	}
+	// HAProxy alternates: app1 answers one of the next few requests, each on
+	// a connection of its own.
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 10 * time.Second}
+	served := map[string]int{}
+	for range 6 {
+		code, header, _, err := get(t, client, "http://127.0.0.1:"+ports["LB_PORT"]+"/api/instance")
+		if err != nil || code != 200 {
+			t.Fatalf("GET /api/instance through HAProxy: %d %v", code, err)
+		}
+		served[header.Get("X-Served-By")]++
+	}
+	if served["app1"] == 0 {
+		t.Errorf("HAProxy sent none of 6 requests to the restarted app1: %v", served)
+	}
+
+	demo.ctrlC()
+	if code := demo.exitCode(t, 60*time.Second, "Ctrl+C"); code != 0 {
+		t.Fatalf("the demo ended with exit code %d after Ctrl+C, want 0", code)
+	}
+	lines := strings.Split(demo.out.String(), "\n")
+	again := lineWith(lines, "starting app1 again")
+	if lineWith(lines[max(again, 0):], "[app1] ", "event=exit", "code=0") < 0 || lineWith(lines[max(again, 0):], "app1 exited with code 0") < 0 {
+		t.Errorf("want the restarted app1 drained by Ctrl+C, exit code 0 (lines after line %d)", again)
 	}
 	nothingLeft(t, ports, base)
 	if _, err := os.Stat(dir); !os.IsNotExist(err) {

@@ -116,6 +116,95 @@ stop_apps() {
   app_pids=() prefixer_pids=()
 }
 
+# app_exited N: appN has exited by itself (a SIGTERM from elsewhere, a crash):
+# it is reaped and its exit code said, after its last lines.
+app_exited() {
+  local n=$1
+  reap "${app_pids[$n]}"
+  [ -z "${prefixer_pids[$n]:-}" ] || wait "${prefixer_pids[$n]}" 2>/dev/null || true
+  echo "app$n exited with code $reaped"
+  unset 'app_pids[n]' 'prefixer_pids[n]'
+}
+
+# Starting an instance again, without restarting the rest: from a second
+# terminal, `scripts/demo.sh start appN` (request_start) creates
+# DIR/start-appN and sends the running demo SIGUSR1; the demo
+# (on_start_request, its USR1 trap) starts appN again as its own child, so
+# its log reaches the demo's terminal and its Ctrl+C drains it like the
+# others.
+
+# on_start_request is a running demo's USR1 trap: each appN asked for, if it
+# has exited, starts again with the same ports and settings.
+on_start_request() {
+  local n
+  [ "$stage" = running ] || return 0
+  for n in 1 2; do
+    [ -f "$DIR/start-app$n" ] || continue
+    rm -f "$DIR/start-app$n"
+    start_again "$n"
+  done
+}
+
+# start_again N: appN again, unless it still runs.
+start_again() {
+  local n=$1
+  if [ -n "${app_pids[$n]:-}" ]; then
+    if kill -0 "${app_pids[$n]}" 2>/dev/null; then
+      echo "app$n still runs (pid ${app_pids[$n]}): not started again"
+      return 0
+    fi
+    app_exited "$n"
+  fi
+  echo "starting app$n again (asked by scripts/demo.sh start app$n)"
+  # The previous run's log stays beside the new one.
+  [ ! -f "$DIR/app$n.log" ] || mv "$DIR/app$n.log" "$DIR/app$n.previous.log"
+  start_app "$n"
+}
+
+# request_start N (from `scripts/demo.sh start appN`, with DIR/demo.run
+# sourced: the running demo's pid, HAProxy's and the ports) asks the demo running in DIR to start appN again, and waits
+# until appN is ready and HAProxy has marked it UP. It starts nothing itself.
+request_start() {
+  local n=$1 old pid demo_pid=${demo_pid:-} deadline
+  if [ -z "$demo_pid" ] || ! kill -0 "$demo_pid" 2>/dev/null; then
+    echo "no demo runs in $DIR (or it has not printed its banner yet): start one with scripts/demo.sh" >&2
+    return 1
+  fi
+  old=$(cat "$DIR/app$n.pid" 2>/dev/null || true)
+  if [ -n "$old" ] && kill -0 "$old" 2>/dev/null; then
+    echo "app$n still runs (pid $old): drain it first (kill -TERM $old), then start it again" >&2
+    return 1
+  fi
+  : >"$DIR/start-app$n"
+  kill -USR1 "$demo_pid"
+  # The demo reacts within its 0.2 s watch loop.
+  deadline=$((SECONDS + 10))
+  until pid=$(cat "$DIR/app$n.pid" 2>/dev/null) && [ "$pid" != "$old" ]; do
+    if ((SECONDS > deadline)) || ! kill -0 "$demo_pid" 2>/dev/null; then
+      echo "the demo did not start app$n: see its terminal" >&2
+      return 1
+    fi
+    sleep 0.1
+  done
+  begin "booting app$n" "pid $pid, api :${API_PORTS[$n]}, ops :${OPS_PORTS[$n]}, its log in the demo's terminal and $DIR/app$n.log: a few seconds"
+  deadline=$((SECONDS + ${READY_TIMEOUT:-90}))
+  until curl -fsS -o /dev/null "http://127.0.0.1:${OPS_PORTS[$n]}/health/ready" 2>/dev/null; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "app$n exited while booting (the demo's terminal has its exit code)" >&2
+      show_log "app$n" "$DIR/app$n.log"
+      return 1
+    elif ((SECONDS > deadline)); then
+      echo "app$n is not ready after ${READY_TIMEOUT:-90} s" >&2
+      show_log "app$n" "$DIR/app$n.log"
+      return 1
+    fi
+    sleep 0.1
+  done
+  begin "waiting for HAProxy" "until it marks app$n UP again: a second or two"
+  wait_lb "$n" UP
+  echo "app$n is ready and HAProxy sends it requests again"
+}
+
 # on_signal is the INT and TERM trap: exit, and the EXIT trap (cleanup) does
 # what the stage calls for (see Stages above).
 on_signal() {
@@ -133,7 +222,7 @@ on_signal() {
 # removes DIR (logs, data) or, after a failure before `running`, keeps it.
 cleanup() {
   local status=$? pid
-  trap '' EXIT
+  trap '' EXIT USR1 # nothing starts again while everything stops
   # A child killed by the same Ctrl+C (status 130) can end the script through
   # set -e before on_signal has run; that SIGINT is then still pending and
   # runs the trap set here. Either way it was an interruption, not a failure.
