@@ -52,6 +52,7 @@ type app struct {
 	features   []feature                  // 5. featureRegister
 	db         *pgxpool.Pool              // 7. dbConnect
 	redis      *redis.Client              // 10. redisConnect
+	redisOpts  *redis.Options             // 10. redisConnect: REDIS_URL's, for a component that needs a client of its own
 	heartbeats *heartbeats                // 10. redisConnect
 	status     *statusPublisher           // 10. redisConnect: this instance's record for the cluster dashboard
 	search     meilisearch.ServiceManager // 11. searchAdapter

@@ -181,7 +181,7 @@ func (a *app) bootValidation(ctx context.Context, p *phaseRun) error {
 // need a working poller; then the boot ends.
 func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	log := componentJobsWorker.log(a.log)
-	j, err := newJobs(jobsDeps{cfg: a.cfg.Jobs, softStop: a.timeouts.jobsSoftStop, instanceID: a.cfg.InstanceID,
+	j, err := newJobs(jobsDeps{cfg: a.cfg.Jobs, softStop: a.timeouts.jobsSoftStop, rescue: a.timeouts.jobsRescue, instanceID: a.cfg.InstanceID,
 		features: a.features, tracer: a.tracing.tracer, metrics: a.metrics, log: log,
 		work: workDeps{log: log, call: a.timeouts.jobCall,
 			db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket, masterKey: a.masterKey}})
@@ -233,8 +233,8 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 	}
 	sched := &scheduler{db: a.db, jobs: a.jobs, crons: cronsOf(a.features),
 		beat: a.heartbeats.RegisterHeartbeat(componentScheduler), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
-		log: componentScheduler.log(a.log)}
-	el := newElector(electorDeps{redis: a.redis, instanceID: a.cfg.InstanceID, ttl: le.LockTTL, renew: le.RenewInterval,
+		skipped: a.metrics.cronTicksSkipped, onPanic: a.panicked, log: componentScheduler.log(a.log)}
+	el := newElector(electorDeps{redis: a.redis, redisOpts: a.redisOpts, instanceID: a.cfg.InstanceID, ttl: le.LockTTL, renew: le.RenewInterval,
 		timeouts: a.timeouts, lead: sched.lead, fence: sched.fence, log: a.log, metrics: a.metrics, onPanic: a.panicked})
 	if err := a.retry(ctx, p, componentLeaderElection, 3, el.Start); err != nil {
 		return err

@@ -81,7 +81,6 @@ type jobsConfig struct {
 	Workers      uint
 	PollInterval time.Duration
 	Timeout      time.Duration
-	RescueAfter  time.Duration
 	BacklogMax   uint
 	// demo:begin (the orders demo's setting; scripts/new-service.sh --bare removes this block)
 	ReportCron string
@@ -285,10 +284,8 @@ func (c *config) settings() []configSetting {
 			doc: "jobs of one kind worked at once by this instance (each kind has its queue); River fetches at most this many every 100 ms, so short jobs need many"},
 		{key: "jobs.pollInterval", env: "KUMIKO_JOBS_POLL_INTERVAL", def: "1s", value: durationValue{p: &c.Jobs.PollInterval},
 			doc: "River's fetch poll, the fallback to its LISTEN", old: "jobs.pollIntervalSec"},
-		{key: "jobs.timeout", env: "KUMIKO_JOBS_TIMEOUT", def: "1m", value: durationValue{p: &c.Jobs.Timeout},
-			doc: "a job running longer is cancelled; shorter than rescueAfter", old: "jobs.timeoutSec"},
-		{key: "jobs.rescueAfter", env: "KUMIKO_JOBS_RESCUE_AFTER", def: "1h", value: durationValue{p: &c.Jobs.RescueAfter},
-			doc: "a job still running after this belonged to a crashed worker: run it again", old: "jobs.rescueAfterSec"},
+		{key: "jobs.timeout", env: "KUMIKO_JOBS_TIMEOUT", def: "30s", value: durationValue{p: &c.Jobs.Timeout},
+			doc: "a job running longer is cancelled and retried; a job whose worker died (or whose fetch's answer was lost) is run again once it has been running this + 10 s, by River's rescuer, which looks every 30 s", old: "jobs.timeoutSec"},
 		{key: "jobs.backlogMax", env: "KUMIKO_JOBS_BACKLOG_MAX", def: "10000", value: uintValue{p: &c.Jobs.BacklogMax, min: 1},
 			doc: "jobs waiting to be worked past which the API's answers say Follow-Up-Delayed and the log warns; the service keeps serving (backlog.go)"},
 		// demo:begin (the orders demo's setting; scripts/new-service.sh --bare removes this block)
@@ -494,9 +491,6 @@ func (c *config) validate() []error {
 	check(c.HTTP.MaxConns == 0 || c.HTTP.MaxConns > c.SSE.MaxStreams,
 		"http.maxConns (%d) must exceed sse.maxStreams (%d), or the event streams alone can take every API connection",
 		c.HTTP.MaxConns, c.SSE.MaxStreams)
-	// River rescues a job still running after RescueAfter: a shorter value
-	// would run live jobs twice.
-	check(c.Jobs.Timeout < c.Jobs.RescueAfter, "jobs.timeout (%s) must be shorter than rescueAfter (%s)", c.Jobs.Timeout, c.Jobs.RescueAfter)
 	check(hb.Interval < hb.TTL,
 		"lifecycle.heartbeat.interval (%s) must be less than ttl (%s), or the heartbeat expires between beats",
 		hb.Interval, hb.TTL)

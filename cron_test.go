@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strings"
 	"sync"
@@ -58,6 +59,22 @@ func TestNoCronLoopSpinsOnAZeroTime(t *testing.T) {
 	case <-done:
 	case <-time.After(10 * time.Second):
 		t.Fatal("a cron helper is still looping after 10s on a spec that never matches")
+	}
+}
+
+// The missed-tick rule's count: the ticks passed over between the newest
+// one enqueued and the one that runs instead; none when that one is next,
+// or older than a tick another leader enqueued.
+func TestMissedTicks(t *testing.T) {
+	s := mustSchedule("@every 10s")
+	at := func(sec int) time.Time { return time.Date(2026, 12, 7, 12, 0, sec, 0, time.UTC) }
+	if got, want := missedTicks(s, at(10), at(50)), (skippedTicks{count: 4, first: at(10), last: at(40)}); got != want {
+		t.Errorf("missedTicks from 12:00:10 until 12:00:50 = %+v, want %+v", got, want)
+	}
+	for _, from := range []int{50, 60} {
+		if got := missedTicks(s, at(from), at(50)); got.count != 0 {
+			t.Errorf("missedTicks from 12:00:%d until 12:00:50 = %+v, want none", from, got)
+		}
 	}
 }
 
@@ -210,9 +227,9 @@ func refusedInPhase6(t *testing.T, env map[string]string, want ...string) {
 // 32: a wall-clock step delayed the next tick by the size of the step). On a
 // clock the test controls — synctest's fake time for the timers, plus an
 // offset it steps for the wall clock — a step of +1 h gets the newest due
-// tick fired within cronRecheck and no stale one before it; a step of −1 h
-// fires no tick twice, and the schedule goes on when the clock shows its
-// next tick again.
+// tick fired within cronRecheck and no stale one before it, the eleven it
+// passed over reported as skipped; a step of −1 h fires no tick twice, and
+// the schedule goes on when the clock shows its next tick again.
 func TestCronFollowsAWallClockThatSteps(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var step atomic.Int64
@@ -222,17 +239,21 @@ func TestCronFollowsAWallClockThatSteps(t *testing.T) {
 			t.Fatal(err)
 		}
 		var mu sync.Mutex
-		var fired []string // "tick@wall time of the firing"
-		fire := func(_ int, tick time.Time) error {
+		var fired []string // "tick@wall time of the firing", and the ticks skipped to get there
+		fire := func(_ int, tick time.Time, skipped skippedTicks) error {
 			mu.Lock()
 			defer mu.Unlock()
-			fired = append(fired, tick.UTC().Format("15:04:05")+"@"+wall().UTC().Format("15:04:05"))
+			f := tick.UTC().Format("15:04:05") + "@" + wall().UTC().Format("15:04:05")
+			if skipped.count > 0 {
+				f += fmt.Sprintf(" skipping %d, %s–%s", skipped.count, skipped.first.UTC().Format("15:04"), skipped.last.UTC().Format("15:04"))
+			}
+			fired = append(fired, f)
 			return nil
 		}
 		ctx, cancel := context.WithCancel(t.Context())
 		done := make(chan error)
 		go func() {
-			done <- cronLoop{schedules: []cron.Schedule{s}, now: wall}.run(ctx, []time.Time{s.Next(wall())}, fire, nil, nil)
+			done <- cronLoop{schedules: []cron.Schedule{s}, now: wall}.run(ctx, []time.Time{s.Next(wall())}, fire)
 		}()
 		firedSince := func(n int) []string {
 			synctest.Wait()
@@ -247,8 +268,8 @@ func TestCronFollowsAWallClockThatSteps(t *testing.T) {
 		}
 		step.Store(int64(time.Hour)) // 00:06 → 01:06
 		time.Sleep(cronRecheck)
-		if got := firedSince(1); !slices.Equal(got, []string{"01:05:00@01:06:01"}) {
-			t.Fatalf("a step of +1 h at 00:06: fired %v within %s, want the newest due tick 01:05 alone", got, cronRecheck)
+		if got := firedSince(1); !slices.Equal(got, []string{"01:05:00@01:06:01 skipping 11, 00:10–01:00"}) {
+			t.Fatalf("a step of +1 h at 00:06: fired %v within %s, want the newest due tick 01:05 alone, the 11 before it skipped", got, cronRecheck)
 		}
 		time.Sleep(4*time.Minute - cronRecheck) // 01:10
 		if got := firedSince(2); !slices.Equal(got, []string{"01:10:00@01:10:00"}) {

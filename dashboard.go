@@ -194,6 +194,10 @@ type instanceStatus struct {
 	// counted them (backlog.go); past JobsBacklogBound follow-up work is delayed.
 	JobsBacklog      int64 `json:"jobsBacklog"`
 	JobsBacklogBound int64 `json:"jobsBacklogBound"`
+	// CronTicksSkipped counts the cron ticks this instance passed over
+	// while it led (kumiko_cron_ticks_skipped_total): the missed-tick rule
+	// runs the newest missed tick once and skips the older ones.
+	CronTicksSkipped int64 `json:"cronTicksSkipped"`
 	UpdatedAt        int64 `json:"updatedAt"` // unix milliseconds
 }
 
@@ -206,6 +210,7 @@ type statusPublisher struct {
 	lc         *Lifecycle
 	requests   prometheus.Collector // kumiko_http_requests_total: rps is its rate
 	jobs       prometheus.Collector // kumiko_jobs_total: its interrupted jobs
+	skipped    prometheus.Collector // kumiko_cron_ticks_skipped_total
 	backlog    prometheus.Gauge     // kumiko_jobs_backlog
 	bound      prometheus.Gauge     // kumiko_jobs_backlog_bound
 	log        *logrus.Entry
@@ -224,7 +229,7 @@ type statusPublisher struct {
 func newStatusPublisher(rdb *redis.Client, instanceID string, lc *Lifecycle, m *metrics, log *logrus.Logger,
 	onPanic func(c component, recovered any)) *statusPublisher {
 	return &statusPublisher{startStop: newStartStop(componentClusterStatus, stopNow, onPanic), rdb: rdb, instanceID: instanceID,
-		lc: lc, requests: m.httpRequests, jobs: m.jobs, backlog: m.jobsBacklog, bound: m.jobsBacklogBound, log: componentClusterStatus.log(log), kick: make(chan struct{}, 1)}
+		lc: lc, requests: m.httpRequests, jobs: m.jobs, skipped: m.cronTicksSkipped, backlog: m.jobsBacklog, bound: m.jobsBacklogBound, log: componentClusterStatus.log(log), kick: make(chan struct{}, 1)}
 }
 
 // Start starts the loop, which writes the first record at once; Stop ends
@@ -353,7 +358,8 @@ func (sp *statusPublisher) snapshot(state string) instanceStatus {
 	return instanceStatus{InstanceID: sp.instanceID, State: state, UptimeSec: int64(sp.lc.Uptime().Seconds()),
 		RPS: math.Round(sp.rps*10) / 10, Phases: phases, Drain: append([]drainStep{}, sp.drain...),
 		LingerEnded: sp.lingerEnded, JobsInterrupted: interrupted,
-		JobsBacklog: int64(gaugeValue(sp.backlog)), JobsBacklogBound: int64(gaugeValue(sp.bound)), UpdatedAt: now.UnixMilli()}
+		JobsBacklog: int64(gaugeValue(sp.backlog)), JobsBacklogBound: int64(gaugeValue(sp.bound)),
+		CronTicksSkipped: int64(counterSum(sp.skipped, "", "")), UpdatedAt: now.UnixMilli()}
 }
 
 // statusScript writes an instance's status record (KEYS[1], ARGV[1], TTL

@@ -39,6 +39,7 @@ type jobs struct {
 type jobsDeps struct {
 	cfg        jobsConfig
 	softStop   time.Duration // how long a stop lets running jobs finish before River cancels them
+	rescue     time.Duration // River runs a job again once it has been running this long: it was stranded
 	instanceID string
 	features   []feature
 	work       workDeps
@@ -69,7 +70,7 @@ func newJobs(d jobsDeps) (*jobs, error) {
 		Workers:              workers,
 		FetchPollInterval:    d.cfg.PollInterval,
 		JobTimeout:           d.cfg.Timeout,
-		RescueStuckJobsAfter: d.cfg.RescueAfter,
+		RescueStuckJobsAfter: d.rescue,
 		SoftStopTimeout:      d.softStop,
 		Logger:               riverLogger(d.log),
 		Middleware: []rivertype.Middleware{traceAndCountJobs(d.tracer, d.metrics, j.stopping.Load, d.log),

@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"github.com/robfig/cron/v3"
 	"github.com/sirupsen/logrus"
@@ -48,16 +49,27 @@ return {redis.call("INCR", KEYS[1]), raised}`)
 //
 // Its Stop (from startStop, stopSoft) ends leadership — lead returns, the lock
 // is deleted with a compare-and-DEL, followers are told at once — and waits.
+//
+// The lock's calls (the token, the SETNX, the renewals) go through a client
+// of the elector's own, for two reasons. A slow Redis times out the 1 s calls
+// of the other loops (heartbeats, the dashboard record); each timeout closes
+// its connection, and a new one costs four round trips before its first
+// command: 4.8 s at 1.2 s of latency, which a renewal sharing their pool paid
+// every time, and lost the lock over. And a stop closes that client, which
+// ends a call in flight at once: go-redis ends a call at its deadline or when
+// its connection closes, never when its context is cancelled. So a renewal
+// may take until the renew deadline and a try at the lock as long as the
+// lock lives, and a stop still waits for neither.
 type elector struct {
 	*startStop
 	rdb        *redis.Client
+	lockOpts   *redis.Options // the elector's own client's; rdb, the instance's, reads and releases
 	instanceID string
 	ttl, renew time.Duration
 	lead       func(ctx context.Context, token int64) error
 	fence      func(ctx context.Context) (int64, error) // the token the database holds now
-	call       time.Duration                            // one Redis or database call of the election
 	retry      time.Duration                            // leaderRenewRetry: after a failed renewal
-	release    time.Duration                            // the release of the lock on shutdown
+	release    time.Duration                            // a release of the lock: shutdown, fence, a SETNX cut short
 	log        *logrus.Entry
 	metrics    *metrics
 
@@ -72,6 +84,7 @@ type elector struct {
 // electorDeps is what newElector builds an elector from.
 type electorDeps struct {
 	redis      *redis.Client
+	redisOpts  *redis.Options // REDIS_URL's, for the elector's own client
 	instanceID string
 	ttl, renew time.Duration // the lock's TTL and how often it is renewed
 	timeouts   timeouts
@@ -84,9 +97,17 @@ type electorDeps struct {
 
 func newElector(d electorDeps) *elector {
 	return &elector{startStop: newStartStop(componentLeaderElection, stopSoft, d.onPanic),
-		rdb: d.redis, instanceID: d.instanceID, ttl: d.ttl, renew: d.renew, lead: d.lead, fence: d.fence,
-		call: d.timeouts.backgroundCall, retry: d.timeouts.leaderRenewRetry, release: d.timeouts.redisRelease,
+		rdb: d.redis, lockOpts: lockClientOptions(d.redisOpts), instanceID: d.instanceID, ttl: d.ttl, renew: d.renew,
+		lead: d.lead, fence: d.fence, retry: d.timeouts.leaderRenewRetry, release: d.timeouts.redisRelease,
 		log: componentLeaderElection.log(d.log), metrics: d.metrics}
+}
+
+// lockClientOptions are REDIS_URL's options for the elector's own client,
+// named so that CLIENT LIST tells its connections from the instance's.
+func lockClientOptions(instance *redis.Options) *redis.Options {
+	opts := *instance
+	opts.ClientName += "/leaderElection"
+	return &opts
 }
 
 // Stop ends leadership and waits (startStop); a lock it could not release is
@@ -115,14 +136,18 @@ func (e *elector) Start(ctx context.Context) error {
 
 // run tries to lead until the elector stops.
 func (e *elector) run(ctx context.Context) {
+	lock := redis.NewClient(e.lockOpts)
+	defer lock.Close()
 	// Followers hear a release at once instead of at their next try.
 	released := e.rdb.Subscribe(ctx, leaderReleased)
 	defer released.Close()
 	wake := released.Channel()
 
 	// An acquisition or renewal in flight ends when the stop begins: a stop
-	// must not wait for a slow Redis. The lock is released right after (a
-	// SETNX cut short is undone in acquire).
+	// must not wait for a slow Redis. The database's fence read ends with
+	// calls, Redis's calls with the lock's client. The lock is released
+	// right after, on the instance's client (a SETNX cut short is undone in
+	// acquire).
 	stopping := e.stopping()
 	calls, cancelCalls := context.WithCancel(ctx)
 	defer cancelCalls()
@@ -130,6 +155,7 @@ func (e *elector) run(ctx context.Context) {
 		select {
 		case <-stopping:
 			cancelCalls()
+			lock.Close()
 		case <-ctx.Done():
 		}
 	})
@@ -138,9 +164,9 @@ func (e *elector) run(ctx context.Context) {
 	tick := time.NewTicker(e.renew)
 	defer tick.Stop()
 	for {
-		token, value, sent, ok := e.acquire(calls)
+		token, value, sent, ok := e.acquire(calls, lock)
 		if ok {
-			e.serve(ctx, calls, stopping, token, value, sent)
+			e.serve(ctx, calls, stopping, lock, token, value, sent)
 		}
 		select {
 		case <-stopping: // first: a tick that is also due must not start another acquisition
@@ -158,18 +184,15 @@ func (e *elector) run(ctx context.Context) {
 
 // acquire tries to take the lock. The fencing token is drawn first, above
 // the fence the database holds, so every acquisition carries a larger token
-// than any leader before it, even after Redis lost its counter. Each call is
-// bounded by e.call: go-redis ends a call at its deadline, not when its
-// context is cancelled, so this bound is also what a stop waits for at
-// most. (A Redis slower than that elects no new leader; the one that leads
-// keeps leading, its renewals may take until its renew deadline.) sent is
-// when the SETNX was sent: the lock's TTL runs from no earlier.
-func (e *elector) acquire(ctx context.Context) (token int64, value string, sent time.Time, ok bool) {
+// than any leader before it, even after Redis lost its counter. A try takes
+// a few round trips and may take as long as the lock would live: a Redis
+// slower than that elects nobody. sent is when the SETNX was sent: the
+// lock's TTL runs from no earlier.
+func (e *elector) acquire(ctx context.Context, lock *redis.Client) (token int64, value string, sent time.Time, ok bool) {
 	stopped := ctx
-	call := func() (context.Context, context.CancelFunc) { return context.WithTimeout(ctx, e.call) }
-	fctx, cancel := call()
-	floor, err := e.fence(fctx)
-	cancel()
+	ctx, cancel := context.WithTimeout(ctx, e.ttl)
+	defer cancel()
+	floor, err := e.fence(ctx)
 	if stopped.Err() != nil {
 		return 0, "", time.Time{}, false
 	}
@@ -179,9 +202,7 @@ func (e *elector) acquire(ctx context.Context) (token int64, value string, sent 
 		e.log.WithError(err).Warn("reading the fencing token from the database")
 		return 0, "", time.Time{}, false
 	}
-	dctx, cancel := call()
-	res, err := drawScript.Run(dctx, e.rdb, []string{leaderTokenKey}, floor).Int64Slice()
-	cancel()
+	res, err := drawScript.Run(ctx, lock, []string{leaderTokenKey}, floor).Int64Slice()
 	if stopped.Err() != nil {
 		return 0, "", time.Time{}, false
 	}
@@ -195,9 +216,7 @@ func (e *elector) acquire(ctx context.Context) (token int64, value string, sent 
 	}
 	value = e.instanceID + ":" + strconv.FormatInt(token, 10)
 	sent = time.Now()
-	sctx, cancel := call()
-	defer cancel()
-	ok, err = e.rdb.SetNX(sctx, leaderKey, value, e.ttl).Result()
+	ok, err = lock.SetNX(ctx, leaderKey, value, e.ttl).Result()
 	switch {
 	case err != nil:
 		if stopped.Err() == nil {
@@ -239,13 +258,15 @@ func (e *elector) setFenced(fenced bool) {
 // serve leads until the lock is lost, the renew deadline passes or the
 // elector stops. As in client-go's leaderelection: the lock lives lockTtl
 // from the last renewal sent (acquired: the SETNX); the leader renews every
-// renewInterval and, after a renewal failed, retries four times as often;
-// its renew deadline is one renewInterval before the lock can expire, and
-// past it this instance stops acting, before anyone else can take over. A
-// renewal may take until that deadline, so a slow Redis keeps its leader.
-// Config validation keeps renewInterval ≤ lockTtl/3: at least two renewals
-// fit before the deadline. Renewals run on calls, which the stop ends.
-func (e *elector) serve(ctx, calls context.Context, stopping <-chan struct{}, token int64, value string, acquired time.Time) {
+// renewInterval, counted from when the last renewal was sent, so a slow one
+// does not push the next back, and, after a renewal failed, retries four
+// times as often; its renew deadline is one renewInterval before the lock
+// can expire, and past it this instance stops acting, before anyone else can
+// take over. A renewal may take until that deadline, so a slow Redis keeps
+// its leader. Config validation keeps renewInterval ≤ lockTtl/2.2: at least
+// two renewals fit before the deadline. Renewals run on lock, which the stop
+// closes.
+func (e *elector) serve(ctx, calls context.Context, stopping <-chan struct{}, lock *redis.Client, token int64, value string, acquired time.Time) {
 	log := e.log.WithField("fencing_token", token)
 	e.setLeading(true)
 	// The token was drawn above the fence: leading with it ends a fencing
@@ -258,7 +279,7 @@ func (e *elector) serve(ctx, calls context.Context, stopping <-chan struct{}, to
 	deadline := acquired.Add(e.ttl - e.renew)
 	stepDown := time.NewTimer(time.Until(deadline))
 	defer stepDown.Stop()
-	renew := time.NewTimer(e.renew)
+	renew := time.NewTimer(time.Until(acquired.Add(e.renew)))
 	defer renew.Stop()
 	reason := ""
 	for reason == "" {
@@ -278,7 +299,7 @@ func (e *elector) serve(ctx, calls context.Context, stopping <-chan struct{}, to
 			// Bounded by the step-down deadline, so a renewal in flight can
 			// never keep this instance leading past it.
 			rctx, cancel := context.WithDeadline(calls, deadline)
-			n, err := renewScript.Run(rctx, e.rdb, []string{leaderKey}, value, e.ttl.Milliseconds()).Int()
+			n, err := renewScript.Run(rctx, lock, []string{leaderKey}, value, e.ttl.Milliseconds()).Int()
 			cancel()
 			switch {
 			case calls.Err() != nil: // stopping: the next select says so
@@ -290,7 +311,7 @@ func (e *elector) serve(ctx, calls context.Context, stopping <-chan struct{}, to
 			default:
 				deadline = sent.Add(e.ttl - e.renew)
 				stepDown.Reset(time.Until(deadline))
-				renew.Reset(e.renew)
+				renew.Reset(time.Until(sent.Add(e.renew)))
 			}
 		}
 	}
@@ -370,6 +391,8 @@ type scheduler struct {
 	crons   []scheduledJob
 	beat    *heartbeat
 	beatInt time.Duration
+	skipped *prometheus.CounterVec // kumiko_cron_ticks_skipped_total{job}
+	onPanic func(c component, recovered any)
 	log     *logrus.Entry
 }
 
@@ -412,12 +435,15 @@ func (s *scheduler) fence(ctx context.Context) (int64, error) {
 // from its last tick, never from "now" at some unrelated wake-up, so neither
 // a heartbeat, a renew interval nor another schedule can postpone it; the
 // wait for the earliest of them is read from the wall clock (cronLoop), so a
-// clock that steps cannot either. Policy for missed ticks: on taking over,
-// the newest tick of the last interval is enqueued (a no-op when the
-// previous leader did), and a scheduler that wakes late enqueues the newest
-// due tick; older missed ticks are not — a report is about now, not a
-// backlog. A tick refused by the fence ends lead with a *fencedError:
-// the elector steps down and acquires a valid token.
+// clock that steps cannot either. The missed-tick rule: the newest missed
+// tick runs, once, and the older ones are skipped — a report is about now,
+// not a backlog. On taking over, the newest tick of the last interval is
+// enqueued (a no-op when the previous leader did), and the ticks between it
+// and the newest one any leader enqueued are skipped; a scheduler that wakes
+// late enqueues the newest due tick and skips the ones before it. A skip is
+// a warning naming the ticks and counts kumiko_cron_ticks_skipped_total{job}.
+// A tick refused by the fence ends lead with a *fencedError: the elector
+// steps down and acquires a valid token.
 func (s *scheduler) lead(ctx context.Context, token int64) error {
 	log := s.log.WithField("fencing_token", token)
 	// Raise the fence first: from now on a stale leader's inserts are refused.
@@ -429,22 +455,59 @@ func (s *scheduler) lead(ctx context.Context, token int64) error {
 			log.WithError(err).Warn("raising the fencing token")
 		}
 	}
-	beat := time.NewTicker(s.beatInt)
-	defer beat.Stop()
-	s.heartbeat(ctx)
+	// The heartbeat beats on a goroutine of its own: a slow Redis costs a
+	// beat its call, never a tick its time. (They shared one loop, and under
+	// 1.2 s of Redis latency every beat held the ticks back for its 1 s
+	// budget, until ticks were skipped.)
+	var beating sync.WaitGroup
+	defer beating.Wait()
+	ctx, stopBeating := context.WithCancel(ctx)
+	defer stopBeating()
+	beating.Go(func() {
+		defer func() {
+			if r := recover(); r != nil {
+				s.onPanic(componentScheduler, r) // as for every background goroutine (app.go)
+			}
+		}()
+		s.heartbeat(ctx)
+		everyTick(ctx, s.beatInt, nil, s.heartbeat)
+	})
 	now := time.Now()
 	next := make([]time.Time, len(s.crons))
 	schedules := make([]cron.Schedule, len(s.crons))
 	for i, c := range s.crons {
+		s.skipped.WithLabelValues(c.kind) // from 0, so that increase() sees a first skip
 		if prev, ok := previousTick(c.schedule, now); ok {
-			if err := s.enqueue(ctx, log, token, c.cronJob, prev); err != nil {
+			skipped, err := s.missedBefore(ctx, c, prev)
+			if err != nil && ctx.Err() == nil {
+				log.WithField("job", c.kind).WithError(err).Warn("counting the ticks skipped before the take-over")
+			}
+			if err := s.enqueue(ctx, log, token, c.cronJob, prev, skipped); err != nil {
 				return err
 			}
 		}
 		next[i], schedules[i] = c.schedule.Next(now), c.schedule
 	}
-	fire := func(i int, tick time.Time) error { return s.enqueue(ctx, log, token, s.crons[i].cronJob, tick) }
-	return cronLoop{schedules: schedules}.run(ctx, next, fire, beat.C, func() { s.heartbeat(ctx) })
+	fire := func(i int, tick time.Time, skipped skippedTicks) error {
+		return s.enqueue(ctx, log, token, s.crons[i].cronJob, tick, skipped)
+	}
+	return cronLoop{schedules: schedules}.run(ctx, next, fire)
+}
+
+// missedBefore is the ticks of c that no leader enqueued before tick: those
+// after the newest one River still holds (it deletes finished jobs after a
+// day). None when it holds none (a new deployment, or a day without a leader).
+func (s *scheduler) missedBefore(ctx context.Context, c scheduledJob, tick time.Time) (skippedTicks, error) {
+	var last *time.Time
+	err := s.db.QueryRow(ctx, `SELECT max((args->>'scheduledAt')::timestamptz) FROM river_job
+		WHERE kind = $1 AND NOT coalesce((args->>'manual')::boolean, false)`, c.kind).Scan(&last)
+	if err != nil {
+		return skippedTicks{}, fmt.Errorf("reading the newest tick of %s: %w", c.kind, err)
+	}
+	if last == nil {
+		return skippedTicks{}, nil
+	}
+	return missedTicks(c.schedule, c.schedule.Next(*last), tick), nil
 }
 
 // raiseFence sets the fence to token unless a newer leader raised it
@@ -471,10 +534,12 @@ func (s *scheduler) heartbeat(ctx context.Context) {
 }
 
 // enqueue inserts the job of one tick, in a transaction that first checks
-// the fencing token against the database. Only a fence is returned as an
-// error (the leader must step down); other failures are logged and the next
-// tick tries again.
-func (s *scheduler) enqueue(ctx context.Context, log *logrus.Entry, token int64, job cronJob, tick time.Time) error {
+// the fencing token against the database, and reports the ticks skipped to
+// get to it once it is in: the leader that enqueues a tick is the one that
+// counts the ticks passed over before it, so no skip is counted twice. Only
+// a fence is returned as an error (the leader must step down); other
+// failures are logged and the next tick tries again.
+func (s *scheduler) enqueue(ctx context.Context, log *logrus.Entry, token int64, job cronJob, tick time.Time, skipped skippedTicks) error {
 	tick = tick.UTC()
 	log = log.WithField("job", job.kind)
 	err := pgx.BeginFunc(ctx, s.db, func(tx pgx.Tx) error {
@@ -491,8 +556,16 @@ func (s *scheduler) enqueue(ctx context.Context, log *logrus.Entry, token int64,
 		log.WithField("tick", tick).WithError(err).Warn("refusing to enqueue: a newer leader exists")
 		return err
 	}
-	if err != nil && ctx.Err() == nil {
-		log.WithField("tick", tick).WithError(err).Warn("enqueueing a cron job")
+	if err != nil {
+		if ctx.Err() == nil {
+			log.WithField("tick", tick).WithError(err).Warn("enqueueing a cron job")
+		}
+		return nil
+	}
+	if skipped.count > 0 {
+		s.skipped.WithLabelValues(job.kind).Add(float64(skipped.count))
+		log.WithFields(logrus.Fields{"tick": tick, "skipped": skipped.count, "first": skipped.first.UTC(), "last": skipped.last.UTC()}).
+			Warn("cron ticks skipped")
 	}
 	return nil
 }

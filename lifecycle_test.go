@@ -231,8 +231,8 @@ func TestFeatureIsGivenOnlyWhatItUses(t *testing.T) {
 
 // Every deadline comes from the config through newTimeouts: River's soft
 // stop gets half of what the release hooks are sure to have, a connect
-// attempt never outlasts its window, and a request's dependency calls share
-// one budget.
+// attempt never outlasts its window, a request's dependency calls share
+// one budget, and River rescues a stranded job right after its timeout.
 func TestTimeoutsAreDerivedFromTheConfig(t *testing.T) {
 	c := defaultConfig()
 	l := &c.Lifecycle
@@ -256,6 +256,9 @@ func TestTimeoutsAreDerivedFromTheConfig(t *testing.T) {
 	}
 	if want := l.LeaderElection.RenewInterval / 4; got.leaderRenewRetry != want {
 		t.Errorf("leaderRenewRetry = %s, want a quarter of the renew interval, %s", got.leaderRenewRetry, want)
+	}
+	if want := c.Jobs.Timeout + 10*time.Second; got.jobsRescue != want {
+		t.Errorf("jobsRescue = %s, want the job timeout and River's 10 s to record a job's outcome, %s", got.jobsRescue, want)
 	}
 	if got.dbIdleInTx != c.DB.IdleInTransactionTimeout {
 		t.Errorf("dbIdleInTx = %s, want the configured %s", got.dbIdleInTx, c.DB.IdleInTransactionTimeout)

@@ -104,6 +104,7 @@ type metrics struct {
 	leaderTransitions    prometheus.Counter
 	leaderFenced         prometheus.Gauge
 	leaderFencedTotal    prometheus.Counter
+	cronTicksSkipped     *prometheus.CounterVec
 	jobs                 *prometheus.CounterVec
 	jobDuration          *prometheus.HistogramVec
 	jobsBacklog          prometheus.Gauge
@@ -229,6 +230,9 @@ func newMetrics() *metrics {
 		leaderFencedTotal: f.NewCounter(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "leader_fenced_total", Help: "Times this instance met a fence: a stale token refused, or a token counter behind the fence raised.",
 		}),
+		cronTicksSkipped: f.NewCounterVec(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "cron_ticks_skipped_total", Help: "Cron ticks this instance passed over while it led, by job: a leader that took over late or woke late runs the newest missed tick, once, and skips the older ones.",
+		}, []string{"job"}),
 		jobs: f.NewCounterVec(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "jobs_total", Help: "Jobs worked by this instance, by kind and result.",
 		}, []string{"kind", "result"}),

@@ -50,6 +50,7 @@ func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
 	// structured and scrubbed too. One process has one app, so setting it here
 	// is safe; in a test running two apps in one process the last one wins.
 	redis.SetLogger(redisLogger{log: componentRedis.log(a.log)})
+	a.redisOpts = opts // NewClient copies them: they stay as parsed
 	client := redis.NewClient(opts)
 	ping := func(ctx context.Context) error { return client.Ping(ctx).Err() }
 	if err := a.connectWithRetry(ctx, p, componentRedis, ping); err != nil {

@@ -89,14 +89,23 @@ type timeouts struct {
 	// so the draining event is kept while the database is slow; no more,
 	// since the drain waits for it.
 	stateRecord time.Duration
-	// backgroundCall: one call of a background loop (a heartbeat, a lock
-	// renewal, a fence read): a hung dependency costs the loop this, and a
-	// stop waits at most this for a call in flight.
+	// backgroundCall: one call of a background loop (a heartbeat, the outbox
+	// poller's Redis calls, the backlog count): a hung dependency costs the loop
+	// this, and a stop waits at most this for a call in flight. Not the
+	// leader lock's: its calls take what the lock allows (leader.go).
 	backgroundCall time.Duration
 	// jobCall: one call of a job to Meilisearch or S3, a sixth of the job's
 	// timeout and at most 10 s: a hung server costs an attempt, not the
 	// worker for the whole KUMIKO_JOBS_TIMEOUT.
 	jobCall time.Duration
+	// jobsRescue: River runs a job again once it has been running this long
+	// (RescueStuckJobsAfter, which River refuses below the job timeout): its
+	// worker died, or the answer to River's fetch was lost while PostgreSQL
+	// hung, and nobody works it. The job's timeout plus jobOutcomeWrite, so
+	// a job cut off at its timeout is recorded rather than rescued. River's
+	// rescuer looks every 30 s, so a stranded job runs again within
+	// jobsRescue + 30 s (and River's 5 s scheduler round).
+	jobsRescue time.Duration
 	// optionalPhase: phases 11 and 12, an optional dependency at boot
 	// (KUMIKO_OPTIONAL_DEPENDENCY_TIMEOUT): a hung Meilisearch or S3 costs the
 	// boot this, then the phase warns and the boot goes on.
@@ -144,6 +153,10 @@ const silentConnGrace = 500 * time.Millisecond
 
 // cancelGrace bounds a PostgreSQL cancel request; a hung server never takes it.
 const cancelGrace = time.Second
+
+// jobOutcomeWrite is how long River may take to record the outcome of a job
+// that returned: one try of its completer (River's HotOperationTimeout).
+const jobOutcomeWrite = 10 * time.Second
 
 // wakeTimeout bounds one wake-up publish of the outbox poller: a Redis that
 // hangs must not hold wake-ups back for longer than a hub's own poll would.
@@ -256,6 +269,7 @@ func newTimeouts(c config) timeouts {
 		stateRecord:      3 * time.Second,
 		backgroundCall:   time.Second,
 		jobCall:          min(10*time.Second, c.Jobs.Timeout/6),
+		jobsRescue:       c.Jobs.Timeout + jobOutcomeWrite,
 		optionalPhase:    min(l.OptionalDependencyTimeout, l.PhaseTimeout),
 		readinessProbe:   l.Readiness.ProbeTimeout,
 		readinessStale:   2*l.Readiness.CheckInterval + l.Readiness.ProbeTimeout,
