@@ -57,10 +57,11 @@ type adminTree struct{ current atomic.Pointer[echo.Echo] }
 
 // mount makes routes (with the timeline) the tree; without a token there is
 // no tree, and /admin/ answers 404.
-func (t *adminTree) mount(e *echo.Echo, adminToken string, budget time.Duration, lc *Lifecycle, routes func(*echo.Group)) {
+func (t *adminTree) mount(e *echo.Echo, adminToken string, budget time.Duration, lc *Lifecycle, diag *diagnostics, routes func(*echo.Group)) {
 	if adminToken != "" {
 		g := e.Group("/admin", requireBearer(adminToken), withDeadline(budget))
 		g.Match(getHead(), "/lifecycle", handleTimeline(lc))
+		addDiagnosticsRoutes(g, diag)
 		routes(g)
 	}
 	t.current.Store(e)
@@ -137,7 +138,7 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 			if r.admin {
 				continue // on the ops port: adminRoutes
 			}
-			chain := []echo.MiddlewareFunc{admitWhenServing(lc, rejecting)}
+			chain := []echo.MiddlewareFunc{labelRequests(), admitWhenServing(lc, rejecting)}
 			if !r.streaming {
 				// Measured first, so the 429s are counted too.
 				chain = append(chain, observeRequests(m))
@@ -507,8 +508,10 @@ func (c *cappedConn) Close() error {
 
 // listenHTTP binds addr and serves h on it from one owned goroutine. A Serve
 // failure other than a normal close is reported to failed (the process then
-// shuts down: a server that cannot accept is not serving).
-func listenHTTP(c component, addr string, h http.Handler, hc httpConfig, conns connCap, log *logrus.Logger, failed func(error)) (*httpServer, error) {
+// shuts down: a server that cannot accept is not serving). Its goroutines
+// and its requests' contexts carry ctx's pprof labels and component=<c>;
+// ctx's end ends nothing.
+func listenHTTP(ctx context.Context, c component, addr string, h http.Handler, hc httpConfig, conns connCap, log *logrus.Logger, failed func(error)) (*httpServer, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("binding the %s listener: %w", c, err)
@@ -518,6 +521,7 @@ func listenHTTP(c component, addr string, h http.Handler, hc httpConfig, conns c
 		capped = newCapListener(ln.(*net.TCPListener), conns) // net.Listen("tcp") is always one
 		ln = capped
 	}
+	base := context.WithoutCancel(ctx)
 	silent := &silentConns{since: map[net.Conn]time.Time{}}
 	clients := &traffic{since: time.Now()}
 	connState := func(c net.Conn, state http.ConnState) {
@@ -542,6 +546,7 @@ func listenHTTP(c component, addr string, h http.Handler, hc httpConfig, conns c
 		// writes their own write deadline.
 		srv: &http.Server{Handler: clients.observe(h), ReadHeaderTimeout: hc.ReadHeaderTimeout, IdleTimeout: hc.IdleTimeout,
 			MaxHeaderBytes: maxHeaderBytes, ConnState: connState,
+			BaseContext: func(net.Listener) context.Context { return withLabel(base, labelComponent, c.String()) },
 			// A handler that must tune its socket (the event stream) finds it here.
 			ConnContext: func(ctx context.Context, c net.Conn) context.Context { return context.WithValue(ctx, connKey{}, c) },
 			// net/http's own complaints (bad handshakes, header timeouts) join the structured log.
@@ -554,9 +559,11 @@ func listenHTTP(c component, addr string, h http.Handler, hc httpConfig, conns c
 	}
 	go func() {
 		defer close(s.done)
-		if err := s.srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
-			failed(fmt.Errorf("%s listener stopped serving: %w", c, err))
-		}
+		labelled(base, labelComponent, c.String(), func() { // its connections' goroutines inherit the label
+			if err := s.srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+				failed(fmt.Errorf("%s listener stopped serving: %w", c, err))
+			}
+		})
 	}()
 	c.log(log).WithField("addr", s.addr.String()).Info("listening")
 	return s, nil

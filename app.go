@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"runtime/debug"
@@ -45,6 +46,7 @@ type app struct {
 	cfg        config                     // 1. config
 	timeouts   timeouts                   // 1. config
 	tracing    tracing                    // 2. observability
+	diag       *diagnostics               // 2. observability: the flight recorder, until the exit line
 	health     *readiness                 // 2. observability
 	ops        *httpServer                // 2. observability
 	admin      *adminTree                 // 2. observability; the whole tree from 15. apiListener
@@ -95,8 +97,11 @@ func (a *app) serverFailed(err error) {
 //     backoff, like any failed job (counted failed in kumiko_jobs_total).
 //
 // panicked handles a panic in a background goroutine.
+// The trace and the goroutines are written before the drain begins: they
+// show the seconds that led to the panic.
 func (a *app) panicked(c component, recovered any) {
 	a.metrics.panics.WithLabelValues(c.String()).Inc()
 	c.log(a.log).WithFields(logrus.Fields{"panic": fmt.Sprint(recovered), "stack": string(debug.Stack())}).Error("background goroutine panicked")
+	a.diag.record(context.Background(), "panic-"+c.String(), fmt.Sprintf("panic in %s: %v", c, recovered), goroutineDump{})
 	a.stop.request(stopRequest{reason: "panic in " + c.String(), failed: true})
 }

@@ -2,9 +2,11 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"os"
+	rtrace "runtime/trace"
 	"strings"
 	"time"
 
@@ -19,9 +21,12 @@ import (
 // the boot; the caller then drains what was acquired. ctx ends when a shutdown
 // is requested, which aborts the boot at the phase it is in.
 func (a *app) boot(ctx context.Context) error {
+	ctx, task := rtrace.NewTask(ctx, "boot") // the flight recorder's trace groups the phases' regions under it
+	defer task.End()
+
 	// 1. defaults, overridden by kumiko.config.yaml, overridden by the environment; every problem at once.
 	//    It runs before the configured timeouts are known, so on the default phase timeout.
-	if err := a.lc.runPhase(ctx, "config", a.timeouts.phase, failExit, a.config); err != nil {
+	if err := a.runPhase(ctx, "config", a.timeouts.phase, failExit, a.config); err != nil {
 		return err
 	}
 
@@ -70,12 +75,31 @@ func (a *app) boot(ctx context.Context) error {
 		{"ready", t.phase, failExit, a.ready},
 	}
 	for _, ph := range phases {
-		if err := a.lc.runPhase(ctx, ph.name, ph.timeout, ph.onFail, ph.run); err != nil {
+		if err := a.runPhase(ctx, ph.name, ph.timeout, ph.onFail, ph.run); err != nil {
 			return err
 		}
 	}
 	a.becomeReady()
 	return nil
+}
+
+// runPhase runs one phase labelled phase=<name> and watched while it runs: a
+// phase that times out leaves the diagnostics of where it was stuck.
+func (a *app) runPhase(ctx context.Context, name string, timeout time.Duration, policy onFail, run func(context.Context, *phaseRun) error) error {
+	stopWatch := watchGoroutines(ctx)
+	err := a.lc.runPhase(ctx, name, timeout, policy, func(ctx context.Context, p *phaseRun) (err error) {
+		labelled(ctx, labelPhase, name, func() { err = run(ctx, p) })
+		return err
+	})
+	stuck := stopWatch()
+	if errors.Is(err, errPhaseTimeout) || errors.Is(err, errStartupBudget) {
+		reason := err.Error()
+		if where := stuck.blocked(labelPhase, name); where != "" {
+			reason += ", " + where
+		}
+		a.diag.record(ctx, name, reason, stuck)
+	}
+	return err
 }
 
 // config is phase 1. The final log format and the secret scrubbing apply
@@ -109,11 +133,14 @@ func (a *app) config(ctx context.Context, p *phaseRun) error {
 // an orchestrator without probes cannot manage the process.
 func (a *app) observability(ctx context.Context, p *phaseRun) error {
 	t, traceErr := setupTracing(ctx, a.getenv, a.cfg.InstanceID, version)
-	if traceErr != nil {
-		p.warn(traceErr.Error())
-	}
 	a.tracing = t
 	a.lc.traceWith(t.tracer)
+	// The flight recorder, from here until the exit line.
+	diag, diagErr := startDiagnostics(a.cfg.Diagnostics, a.cfg.InstanceID, a.log)
+	a.diag = diag
+	if err := errors.Join(traceErr, diagErr); err != nil {
+		p.warn(strings.ReplaceAll(err.Error(), "\n", "; "))
+	}
 
 	a.health = newReadiness(a.lc, a.metrics, a.timeouts.readinessProbe, a.cfg.Lifecycle.Readiness.CheckInterval,
 		a.timeouts.readinessStale, a.panicked)
@@ -130,11 +157,11 @@ func (a *app) observability(ctx context.Context, p *phaseRun) error {
 	// The admin tree shows the boot timeline from now on; its other routes
 	// need Redis and the jobs client, and join in phase 15.
 	a.admin = &adminTree{}
-	a.admin.mount(newEcho(a.log, a.metrics, componentOps), a.cfg.AdminToken, a.timeouts.request, a.lc, adminStarting)
+	a.admin.mount(newEcho(a.log, a.metrics, componentOps), a.cfg.AdminToken, a.timeouts.request, a.lc, a.diag, adminStarting)
 	mux := http.NewServeMux()
 	mux.Handle("/", e)
 	mux.Handle("/admin/", a.admin)
-	ops, err := listenHTTP(componentOps, a.cfg.OpsAddr, mux, a.cfg.HTTP, connCap{}, a.log, a.serverFailed)
+	ops, err := listenHTTP(ctx, componentOps, a.cfg.OpsAddr, mux, a.cfg.HTTP, connCap{}, a.log, a.serverFailed)
 	if err != nil {
 		return err
 	}
@@ -264,7 +291,7 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	a.admission = newAdmission(a.cfg.HTTP, a.metrics)
 	addAPIRoutes(e, a.lc, a.health, a.features, deps, a.cfg.HTTP, a.admission, a.backlog, &a.inFlight, &a.rejecting, a.tracing.tracer)
 	a.metrics.apiConnsMax.Set(float64(a.cfg.HTTP.MaxConns))
-	api, err := listenHTTP(componentAPI, a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP,
+	api, err := listenHTTP(ctx, componentAPI, a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP,
 		apiConnCap(a.cfg.HTTP, a.metrics), a.log, a.serverFailed)
 	if err != nil {
 		return err
@@ -272,7 +299,7 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	a.api = api
 	api.registerConnectionsCheck(a.health)
 
-	a.admin.mount(newEcho(a.log, a.metrics, componentOps), a.cfg.AdminToken, a.timeouts.request, a.lc,
+	a.admin.mount(newEcho(a.log, a.metrics, componentOps), a.cfg.AdminToken, a.timeouts.request, a.lc, a.diag,
 		adminRoutes(a.redis, a.jobs, a.features, deps))
 	return nil
 }

@@ -33,6 +33,7 @@ const (
 	componentSSEHub                           // the event stream hub
 	componentAPI                              // the API listener
 	componentStateObserver                    // the state-change observers (Lifecycle.OnStateChange)
+	componentDiagnostics                      // the flight recorder and what a drain that went wrong leaves behind
 
 	numComponents
 )
@@ -73,6 +74,7 @@ var components = [numComponents]componentSpec{
 	componentSSEHub:          {name: "sseHub"},
 	componentAPI:             {name: "api"},
 	componentStateObserver:   {name: "stateObserver"},
+	componentDiagnostics:     {name: "diagnostics"},
 }
 
 func (c component) spec() componentSpec { return components[c] }

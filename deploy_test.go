@@ -18,6 +18,7 @@ import (
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"sigs.k8s.io/yaml"
 )
 
@@ -213,6 +214,32 @@ func TestKubernetesManifests(t *testing.T) {
 	if grace < d.Lifecycle.Linger+d.Lifecycle.DrainTimeout+5*time.Second || grace <= d.Lifecycle.ShutdownTimeout {
 		t.Errorf("terminationGracePeriodSeconds %s must cover linger %s + drain %s + margin, and exceed the shutdown budget %s",
 			grace, d.Lifecycle.Linger, d.Lifecycle.DrainTimeout, d.Lifecycle.ShutdownTimeout)
+	}
+	// A drain that went wrong leaves its files on a writable volume (the root
+	// filesystem is read-only) and its summary where the kubelet reads it.
+	env := map[string]string{}
+	for _, e := range c.Env {
+		env[e.Name] = e.Value
+	}
+	mounts := map[string]string{}
+	for _, m := range c.VolumeMounts {
+		mounts[m.MountPath] = m.Name
+	}
+	emptyDirs := map[string]*corev1.EmptyDirVolumeSource{}
+	for _, v := range spec.Template.Spec.Volumes {
+		if v.EmptyDir != nil {
+			emptyDirs[v.Name] = v.EmptyDir
+		}
+	}
+	diag := env["KUMIKO_DIAGNOSTICS_DIR"]
+	if ed := emptyDirs[mounts[diag]]; diag == "" || ed == nil {
+		t.Errorf("KUMIKO_DIAGNOSTICS_DIR %q is not an emptyDir mount (mounts %v)", diag, mounts)
+	} else if maxFiles := resource.NewQuantity(int64(keepDiagnosticFiles/2*(int(d.Diagnostics.RecorderMaxMB)+1))<<20, resource.BinarySI); ed.SizeLimit == nil || ed.SizeLimit.Cmp(*maxFiles) < 0 {
+		t.Errorf("the diagnostics emptyDir's sizeLimit %v is below what the app keeps there (%s): the kubelet would evict the pod", ed.SizeLimit, maxFiles)
+	}
+	if c.TerminationMessagePath != "/dev/termination-log" || c.TerminationMessagePolicy != corev1.TerminationMessageFallbackToLogsOnError || env["KUMIKO_TERMINATION_LOG"] != "" {
+		t.Errorf("termination message at %q (%s), KUMIKO_TERMINATION_LOG %q: want the kubelet's default path, which the app writes by default, and FallbackToLogsOnError",
+			c.TerminationMessagePath, c.TerminationMessagePolicy, env["KUMIKO_TERMINATION_LOG"])
 	}
 	// The mounted config file loads and keeps the budgets the manifest was computed for.
 	file := configMap.Data["kumiko.config.yaml"]

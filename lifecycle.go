@@ -417,8 +417,9 @@ func (lc *Lifecycle) RegisterShutdownHook(c component, fn func(context.Context) 
 // ctx's deadline. A hook that fails or overruns its slice is logged and the next
 // one runs anyway: the DB pool must still close when the jobs worker hangs. The
 // error joins every failure. Each hook runs at most once, even if this is called
-// again.
-func (lc *Lifecycle) runShutdownHooks(ctx context.Context, reserve time.Duration, step func(name string, d time.Duration, err error)) error {
+// again. A hook runs labelled step=<its name> and is watched while it runs:
+// step gets the last look at the goroutines it took (watchGoroutines).
+func (lc *Lifecycle) runShutdownHooks(ctx context.Context, reserve time.Duration, step func(name string, d time.Duration, err error, stuck goroutineDump)) error {
 	var errs []error
 	for {
 		lc.mu.Lock()
@@ -433,7 +434,12 @@ func (lc *Lifecycle) runShutdownHooks(ctx context.Context, reserve time.Duration
 
 		hctx, cancel := context.WithDeadline(ctx, hookDeadline(ctx, reserve, n-1))
 		start := time.Now()
-		err := runBounded(hctx, func() error { return hook.fn(hctx) })
+		stopWatch := watchGoroutines(ctx)
+		err := runBounded(hctx, func() (err error) {
+			labelled(hctx, labelStep, hook.name, func() { err = hook.fn(hctx) })
+			return err
+		})
+		stuck := stopWatch()
 		cancel()
 		if err != nil {
 			err = fmt.Errorf("shutdown hook %s: %w", hook.name, err)
@@ -441,7 +447,7 @@ func (lc *Lifecycle) runShutdownHooks(ctx context.Context, reserve time.Duration
 				errs = append(errs, err)
 			}
 		}
-		step(hook.name, time.Since(start), err)
+		step(hook.name, time.Since(start), err, stuck)
 	}
 }
 

@@ -151,7 +151,7 @@ func TestShutdownHooksRunLIFOAndASlowHookDoesNotBlockTheRest(t *testing.T) {
 	defer cancel()
 	var steps []string
 	start := time.Now()
-	err := lc.runShutdownHooks(ctx, time.Second, func(name string, _ time.Duration, _ error) { steps = append(steps, name) })
+	err := lc.runShutdownHooks(ctx, time.Second, func(name string, _ time.Duration, _ error, _ goroutineDump) { steps = append(steps, name) })
 
 	if want := []string{"outboxPoller", "jobsWorker", "redis", "db"}; !slices.Equal(ran, want) || !slices.Equal(steps, want) {
 		t.Errorf("hooks ran %v (steps logged %v), want %v", ran, steps, want)
@@ -162,7 +162,7 @@ func TestShutdownHooksRunLIFOAndASlowHookDoesNotBlockTheRest(t *testing.T) {
 	if took := time.Since(start); took > time.Second {
 		t.Errorf("hooks took %s with a 400ms budget", took)
 	}
-	if lc.runShutdownHooks(ctx, time.Second, func(string, time.Duration, error) { t.Error("a hook ran twice") }) != nil {
+	if lc.runShutdownHooks(ctx, time.Second, func(string, time.Duration, error, goroutineDump) { t.Error("a hook ran twice") }) != nil {
 		t.Error("second run returned an error")
 	}
 }

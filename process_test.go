@@ -62,6 +62,7 @@ var testMasterKey = base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{7}, 32
 // test's own settings follow as KEY=value, as in os.Environ, and win.
 func fastEnv(t testing.TB, settings ...string) map[string]string {
 	t.Helper()
+	dir := t.TempDir()
 	env := map[string]string{
 		"DATABASE_URL":                    testPostgres(t),
 		"REDIS_URL":                       testRedis(t).URL,
@@ -84,6 +85,10 @@ func fastEnv(t testing.TB, settings ...string) map[string]string {
 		// machine they are all in flight at once, and the limiter's
 		// starting limit would shed some. Its own tests set it.
 		"KUMIKO_API_CONCURRENCY_MIN": "500",
+		// What a drain that went wrong leaves behind stays in the test's
+		// own directory (diagnostics_process_test.go reads it there).
+		"KUMIKO_DIAGNOSTICS_DIR": filepath.Join(dir, "diagnostics"),
+		"KUMIKO_TERMINATION_LOG": filepath.Join(dir, "termination-log"),
 	}
 	for _, kv := range settings {
 		k, v, ok := strings.Cut(kv, "=")

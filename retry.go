@@ -36,7 +36,10 @@ func (a *app) retry(ctx context.Context, p *phaseRun, target component, maxAttem
 	log := a.log.WithFields(logrus.Fields{"component": "lifecycle", "phase": p.name, "target": target.String()})
 	for attempt := 1; ; attempt++ {
 		actx, cancel := context.WithTimeout(ctx, a.timeouts.connectAttempt)
-		err := fn(actx)
+		var err error
+		// The goroutines a client starts (a pool's, River's) are the target's,
+		// started in the phase: they carry both names for life.
+		labelled(withLabel(actx, labelPhase, p.name), labelComponent, target.String(), func() { err = fn(actx) })
 		cancel()
 		if err == nil {
 			a.metrics.connectAttempts.WithLabelValues(target.String(), "ok").Inc()

@@ -1,12 +1,14 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"net/http"
 	"os"
 	"os/signal"
+	rtrace "runtime/trace"
 	"sync"
 	"syscall"
 	"time"
@@ -114,20 +116,27 @@ func (a *app) watchSignals(ctx context.Context) (stop func()) {
 
 // serve boots the process, serves until asked to stop, and drains. Its error
 // is the exit code: nil is 0, anything else is 1.
+//
+// The process's goroutines carry the pprof labels of ctx (a test's marker
+// in-process, none in production) under their own (diagnostics_labels.go).
 func (a *app) serve(ctx context.Context) error {
 	defer a.watchSignals(ctx)()
 
-	bootErr := a.boot(a.stop.ctx)
+	bootErr := a.boot(withLabelsOf(a.stop.ctx, ctx))
 	if bootErr == nil {
 		<-a.stop.requested
 	}
-	return a.shutdown(bootErr)
+	return a.shutdown(withLabelsOf(context.Background(), ctx), bootErr)
 }
 
 // shutdown runs the drain within KUMIKO_SHUTDOWN_TIMEOUT. Past the budget, or
 // on a second signal, it returns at once (exit 1) and leaves the drain behind:
 // the process is about to exit, and the orchestrator would SIGKILL it anyway.
-func (a *app) shutdown(bootErr error) error {
+// Both leave diagnostics first, of where the drain was stuck. The exit line
+// names the diagnostics' files and reasons; when the drain or the boot went
+// wrong, a summary goes to the termination message. The flight recorder
+// stops last. base carries only labels.
+func (a *app) shutdown(base context.Context, bootErr error) error {
 	start := time.Now()
 	req := a.stop.why()
 	switch {
@@ -139,7 +148,7 @@ func (a *app) shutdown(bootErr error) error {
 	}
 
 	budget := a.timeouts.shutdown
-	ctx, cancel := context.WithTimeout(context.Background(), budget)
+	ctx, cancel := context.WithTimeout(base, budget)
 	defer cancel()
 
 	drained := make(chan error, 1)
@@ -149,8 +158,10 @@ func (a *app) shutdown(bootErr error) error {
 	case err = <-drained:
 	case <-ctx.Done():
 		err = fmt.Errorf("shutdown did not finish within KUMIKO_SHUTDOWN_TIMEOUT=%s", budget)
+		a.drainAbandoned(base, "budget", fmt.Sprintf("shutdown budget KUMIKO_SHUTDOWN_TIMEOUT=%s spent", budget))
 	case <-a.stop.forced:
 		err = errors.New("second signal: exited without finishing the drain")
+		a.drainAbandoned(base, "signal", "second signal: drain abandoned")
 	}
 
 	if a.stop.why().failed {
@@ -161,9 +172,39 @@ func (a *app) shutdown(bootErr error) error {
 	if err != nil {
 		code = 1
 	}
+	incidents := a.diag.recorded()
+	if code != 0 || len(incidents) > 0 {
+		a.leaveTerminationMessage(code, req.reason, err, incidents)
+	}
 	a.log.WithFields(logrus.Fields{"component": "lifecycle", "event": "exit", "code": code, "reason": req.reason,
-		"duration_ms": time.Since(start).Milliseconds()}).Info("lifecycle")
+		"duration_ms": time.Since(start).Milliseconds()}).WithFields(exitFields(incidents)).Info("lifecycle")
+	a.diag.stop()
 	return err
+}
+
+// drainAbandoned records where the drain was stuck when it was given up:
+// the step its goroutines were in, and what they were blocked in.
+func (a *app) drainAbandoned(ctx context.Context, name, reason string) {
+	stacks := takeGoroutines()
+	if where := stacks.blocked(labelStep, ""); where != "" {
+		reason += ", still in step " + where
+	}
+	a.diag.record(ctx, name, reason, stacks)
+}
+
+// leaveTerminationMessage writes the paragraph Kubernetes shows as the
+// container's last state (KUMIKO_TERMINATION_LOG), with every secret the
+// config knows scrubbed from it.
+func (a *app) leaveTerminationMessage(code int, stopReason string, err error, incidents []incident) {
+	path := terminationLogPath(a.cfg.Diagnostics.TerminationLog)
+	if path == "" {
+		return
+	}
+	scrub := redactHook{secrets: append(a.cfg.secrets(), otlpSecrets(a.getenv)...)}
+	msg := scrub.redact(terminationMessage(a.cfg.InstanceID, time.Now(), code, stopReason, err, incidents))
+	if err := os.WriteFile(path, []byte(msg), 0o644); err != nil {
+		componentDiagnostics.log(a.log).WithError(err).Warn("writing the termination message")
+	}
 }
 
 // drain is the graceful shutdown. It reads as its timeline, one line a step.
@@ -187,6 +228,8 @@ func (a *app) shutdown(bootErr error) error {
 // A boot that failed before phase 15 has no API listener: the drain starts
 // at the release hooks then.
 func (a *app) drain(ctx context.Context, reason string) error {
+	ctx, task := rtrace.NewTask(ctx, "shutdown") // the flight recorder's trace groups the steps' regions under it
+	defer task.End()
 	ctx, span := a.lc.tracer().Start(ctx, "lifecycle.shutdown", trace.WithAttributes(attribute.String("reason", reason)))
 	drainCtx, cancelDrain := context.WithTimeout(ctx, a.timeouts.drain) // sseClose and inFlight share it
 	defer cancelDrain()
@@ -196,10 +239,13 @@ func (a *app) drain(ctx context.Context, reason string) error {
 		a.step(ctx, "linger", a.linger)
 		a.step(ctx, "closeListener", a.closeAPIListener)
 		a.step(ctx, "sseClose", func(ctx context.Context) error { return a.closeStreams(drainCtx, ctx) })
-		a.step(ctx, "inFlight", func(context.Context) error { return a.awaitInFlight(drainCtx) })
+		a.step(ctx, "inFlight", func(ctx context.Context) error { return a.awaitInFlight(ctx, drainCtx) })
 	}
-	releaseErr := a.lc.runShutdownHooks(ctx, a.timeouts.hookReserve, func(name string, took time.Duration, err error) {
+	releaseErr := a.lc.runShutdownHooks(ctx, a.timeouts.hookReserve, func(name string, took time.Duration, err error, stuck goroutineDump) {
 		a.stepDone(ctx, name, time.Now().Add(-took), err)
+		if err != nil {
+			a.hookFailed(ctx, name, took, err, stuck)
+		}
 	})
 	a.step(ctx, "telemetryFlush", a.flushTelemetry)
 	a.lc.advanceTo(StateStopped)
@@ -304,12 +350,19 @@ func (a *app) closeAPIListener(context.Context) error {
 // when drainCtx ends is force-closed (its write deadline pulled to now), and
 // the release hooks keep their share of the budget.
 func (a *app) closeStreams(drainCtx, ctx context.Context) error {
+	stopWatch := watchGoroutines(ctx) // the streams a force-close ends are gone when it returns
 	r, err := a.sse.closeStreams(drainCtx, ctx, a.timeouts.sseSpread, a.timeouts.sseSpreadStep)
+	stuck := stopWatch()
 	// streams_open is kumiko_sse_streams now: 0 unless a handler outlived its force-close.
 	entry := componentSSEHub.log(a.log).WithFields(logrus.Fields{"streams": r.asked, "forced": r.forced,
 		"streams_open": a.sse.openStreams(), "spread_ms": r.window.Milliseconds()})
 	if r.forced > 0 {
 		entry.WithField("drain_timeout_ms", a.timeouts.drain.Milliseconds()).Warn("drain timeout: force-closed event streams that did not end")
+		reason := fmt.Sprintf("sseClose: %s force-closed at KUMIKO_DRAIN_TIMEOUT=%s", count(int64(r.forced), "event stream"), a.timeouts.drain)
+		if where := stuck.blocked(labelRoute, ""); where != "" {
+			reason += ", " + where
+		}
+		a.diag.record(ctx, "sseClose", reason, stuck)
 	} else {
 		entry.Info("event streams closed")
 	}
@@ -326,7 +379,7 @@ func (a *app) closeStreams(drainCtx, ctx context.Context) error {
 // and a poll started before the streams closed would find them gone up to
 // half a second late. While it waits, connections that have sent nothing
 // for silentConnGrace are closed (Shutdown itself would wait 5 s for them).
-func (a *app) awaitInFlight(drainCtx context.Context) error {
+func (a *app) awaitInFlight(ctx, drainCtx context.Context) error {
 	if a.rejecting.Load() {
 		// The port answers 503s until the requests in flight are done.
 		for a.inFlight.Load() > 0 {
@@ -358,6 +411,8 @@ func (a *app) awaitInFlight(drainCtx context.Context) error {
 			a.metrics.shutdownForced.Add(float64(n))
 			a.log.WithFields(logrus.Fields{"component": "lifecycle", "step": "inFlight", "requests": n,
 				"drain_timeout_ms": a.timeouts.drain.Milliseconds()}).Warn("drain timeout: force-closing requests still in flight")
+			// Before the close: the dump shows the requests where they are stuck.
+			a.requestsForceClosed(ctx, n)
 		}
 		a.api.srv.Close()
 	}
@@ -395,10 +450,38 @@ func (a *app) closeTelemetry(ctx context.Context) {
 	}
 }
 
-// step runs one drain step and logs it.
+// requestsForceClosed records the requests the drain is about to cut: their
+// routes, and where the first is blocked.
+func (a *app) requestsForceClosed(ctx context.Context, n int64) {
+	stacks := takeGoroutines()
+	reason := fmt.Sprintf("inFlight: %s force-closed at KUMIKO_DRAIN_TIMEOUT=%s", count(n, "request"), a.timeouts.drain)
+	if where := stacks.blocked(labelRoute, ""); where != "" {
+		reason += ", " + where
+	}
+	a.diag.record(ctx, "inFlight", reason, stacks)
+}
+
+// hookFailed records a release hook that failed or overran its share, with
+// the stacks it was stuck in while it still ran: the hook's own, and those of
+// the component it stops (a hook is named after its component), which a
+// Stop waits for.
+func (a *app) hookFailed(ctx context.Context, name string, took time.Duration, err error, stuck goroutineDump) {
+	reason := fmt.Sprintf("%s: release hook failed after %s: %v", name, took.Round(time.Millisecond), cmp.Or(errors.Unwrap(err), err))
+	if where := stuck.blocked(labelStep, name); where != "" {
+		reason += ", " + where
+	}
+	if where := stuck.blocked(labelComponent, name); where != "" {
+		reason += ", its component " + where
+	}
+	a.diag.record(ctx, name, reason, stuck)
+}
+
+// step runs one drain step, labelled with its name, and logs it.
 func (a *app) step(ctx context.Context, name string, fn func(context.Context) error) {
 	start := time.Now()
-	a.stepDone(ctx, name, start, fn(ctx))
+	var err error
+	labelled(ctx, labelStep, name, func() { err = fn(ctx) })
+	a.stepDone(ctx, name, start, err)
 }
 
 func (a *app) stepDone(ctx context.Context, name string, start time.Time, err error) {

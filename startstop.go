@@ -138,14 +138,16 @@ func (o owned) stop() {
 	<-o.done
 }
 
-// launch starts fn in an owned goroutine; s.mu is held.
+// launch starts fn in an owned goroutine, labelled component=<name> (and
+// in a trace region of that name) so every dump and trace names it; s.mu is
+// held.
 func (s *startStop) launch(ctx context.Context, fn func(context.Context)) <-chan struct{} {
 	s.active++
 	done := make(chan struct{})
 	go func() {
 		defer s.exited(done)
 		defer s.recoverPanic()
-		fn(ctx)
+		labelled(ctx, labelComponent, s.component.String(), func() { fn(ctx) })
 	}()
 	return done
 }

@@ -151,6 +151,17 @@ const hardStopGrace = abandonGrace / 2
 // this to arrive is cut when the drain or a newcomer at the cap reaches it.
 const silentConnGrace = 500 * time.Millisecond
 
+// stallFirstLook: a boot phase, drain step or release hook still running
+// this long is looked at (its goroutines dumped, in memory), and again each
+// time it has run twice as long, so one that then fails or overruns is
+// explained by the stacks it was stuck in. Shorter than the shortest release
+// bound (redisRelease, 1 s): a hook cut short by it has been looked at.
+const stallFirstLook = 200 * time.Millisecond
+
+// diagnosticsWrite bounds writing one incident's files (the recorder's
+// window, some MiB, and a goroutine dump) on the drain's time.
+const diagnosticsWrite = 2 * time.Second
+
 // cancelGrace bounds a PostgreSQL cancel request; a hung server never takes it.
 const cancelGrace = time.Second
 
