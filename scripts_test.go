@@ -251,10 +251,12 @@ func TestDemoStartBringsAnInstanceBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	demo.waitLine(t, time.Minute, "app1 exited with code 0")
+	asked := time.Now()
 	out, err := start()
 	if err != nil || !strings.Contains(out, "app1 is ready and HAProxy sends it requests again") {
 		t.Fatalf("start app1 after its drain: %v; output:\n%s", err, out)
 	}
+	t.Logf("start app1: ready and UP in HAProxy %s after the command began", time.Since(asked).Round(time.Millisecond))
 	demo.waitLine(t, 10*time.Second, "starting app1 again")
 	if code, _, _, err := get(t, http.DefaultClient, "http://127.0.0.1:"+ports["OPS_PORT1"]+"/health/ready"); code != 200 {
 		t.Errorf("app1's readiness after start app1 = %d (%v), want 200", code, err)
