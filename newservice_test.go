@@ -118,6 +118,16 @@ func TestNewServiceScriptRenamesACopy(t *testing.T) {
 	if len(mentions) > 0 {
 		t.Errorf("files of the renamed copy still mentioning kumiko:\n%s", strings.Join(mentions, "\n"))
 	}
+	// The template's picture of its dashboard is not the copy's: the copy
+	// gets none, nor the script that made it, nor the README's line.
+	for _, f := range []string{"docs/dashboard.png", "scripts/dashboard-png.sh"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); !os.IsNotExist(err) {
+			t.Errorf("%s is still in the copy (stat: %v)", f, err)
+		}
+	}
+	if data, err := os.ReadFile(filepath.Join(dir, "README.md")); err != nil || bytes.Contains(data, []byte("dashboard.png")) {
+		t.Errorf("the copy's README: %v; still shows docs/dashboard.png", err)
+	}
 	if data, err := os.ReadFile(filepath.Join(dir, "go.mod")); err != nil || !strings.HasPrefix(string(data), "module "+module+"\n") {
 		t.Errorf("go.mod of the copy: %v\n%.200s", err, data)
 	}

@@ -16,9 +16,11 @@
 #   env prefix                               KUMIKO_* → ORDERS_SVC_*
 #   config file                              kumiko.config.yaml → orders-svc.config.yaml
 #   Dockerfile, compose, k8s, deploy/, scripts, tests and docs: every other spelling of the old name
-# and removes itself, its tests (newservice_test.go, scripts/bare-smoke.sh) and
-# the template's sections of the README and .ci/run: a service is made from
-# the template once. It prints every file it changed.
+# and removes itself, its tests (newservice_test.go, scripts/bare-smoke.sh),
+# the template's picture of its dashboard (docs/dashboard.png, made by
+# scripts/dashboard-png.sh, which goes too) and the template's sections of the
+# README and .ci/run: a service is made from the template once. It prints
+# every file it changed.
 #
 # --bare also removes the orders demo: its files and folders (demo_files below: the
 # feature, its jobs, search and tests, and the scripts that only measure it),
@@ -101,8 +103,10 @@ perl -0pi -e '
 perl -pi -e 's/\b118152090970991\b/'"$((lock))"'/ and $found = 1; END { exit !$found }' \
   migrations/000014_outbox_partitioned_delivery.down.sql || die "the delivery lock in migration 14's down file not found"
 
-# 2. The template's own machinery goes: a service is made from it once.
-remove=("$self" newservice_test.go scripts/bare-smoke.sh)
+# 2. The template's own machinery goes: a service is made from it once. The
+# dashboard's picture shows the template's page: the copy gets none (its
+# README line is marked template:).
+remove=("$self" newservice_test.go scripts/bare-smoke.sh scripts/dashboard-png.sh docs/dashboard.png)
 for f in "${remove[@]}"; do
   if $in_git; then git rm -q -- "$f"; else rm -f -- "$f"; fi
 done
