@@ -217,9 +217,10 @@ func (a *app) leaveTerminationMessage(code int, stopReason string, err error, in
 //	              ├─ closeListener   until the API port refuses new connections
 //	              ├─ sseClose        ┐ KUMIKO_DRAIN_TIMEOUT: streams get `event: shutdown`, spread
 //	              ├─ inFlight        ┘ out; requests finish; what is left then is force-closed
-//	              ├─ sseHub … db     the release hooks, newest first: the boot read backwards
-//	              │                  (sseHub, leaderElection, jobsBacklog, jobsHeartbeat, outboxPoller,
-//	              │                  jobsWorker, search, heartbeats, clusterStatus, redis, db)
+//	              ├─ hooks …         the release hooks, newest first: the boot read backwards
+//	              │                  (readinessChecks, sseHub, leaderElection, jobsBacklog, jobsHeartbeat,
+//	              │                  outboxPoller, jobsWorker, storage, search, heartbeats, clusterStatus,
+//	              │                  redis, db; storage and search when configured)
 //	              ├─ telemetryFlush  the spans of boot and drain leave the process
 //	              │                  state → stopped
 //	              └─ opsListener     probes and metrics answered until here
