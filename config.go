@@ -366,11 +366,11 @@ func (c *config) settings() []configSetting {
 		{key: "diagnostics.dir", env: "KUMIKO_DIAGNOSTICS_DIR", value: textValue{p: &c.Diagnostics.Dir},
 			doc: "where a drain or boot that went wrong writes the flight recorder's trace and a goroutine dump, newest 16 files kept; empty: " + serviceName + "-diagnostics in the temp dir. Kubernetes: an emptyDir (the root filesystem is read-only)"},
 		{key: "diagnostics.flightRecorder", env: "KUMIKO_FLIGHT_RECORDER", def: "false", value: boolValue{p: &c.Diagnostics.FlightRecorder},
-			doc: "keep the last seconds of the Go execution trace in memory for the whole life of the process (runtime/trace.FlightRecorder), written with the goroutine dump when something goes wrong; off by default because it costs about 8 % CPU per order (docs/measurements.md): turn it on where that is worth a trace of the next drain that goes wrong. The goroutine dumps and the termination message need no recorder"},
+			doc: "keep the last seconds of the Go execution trace in memory for the whole life of the process (runtime/trace.FlightRecorder), written with the goroutine dump when something goes wrong; off by default because it costs about 8 % CPU per request (docs/measurements.md): turn it on where that is worth a trace of the next drain that goes wrong. The goroutine dumps and the termination message need no recorder"},
 		{key: "diagnostics.flightRecorderWindow", env: "KUMIKO_FLIGHT_RECORDER_WINDOW", def: "10s", value: durationValue{p: &c.Diagnostics.RecorderWindow},
 			doc: "the trace the recorder keeps, at least this far back, unless flightRecorderMaxMb is reached first"},
 		{key: "diagnostics.flightRecorderMaxMb", env: "KUMIKO_FLIGHT_RECORDER_MAX_MB", def: "10", value: uintValue{p: &c.Diagnostics.RecorderMaxMB, min: 1, max: 1024},
-			doc: "MiB of trace the recorder keeps at most (it wins over the window), plus the second being recorded; 10 s of orders at this machine's limit fit in less"},
+			doc: "MiB of trace the recorder keeps at most (it wins over the window), plus the second being recorded; 10 s at the API's limit on a 2-core machine fit in less"},
 		{key: "diagnostics.terminationLog", env: "KUMIKO_TERMINATION_LOG", value: textValue{p: &c.Diagnostics.TerminationLog},
 			doc: "file that gets a one-paragraph summary when a drain or the boot went wrong, for kubectl describe pod; empty: /dev/termination-log where it exists, else none"},
 	}

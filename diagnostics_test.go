@@ -133,8 +133,8 @@ func TestWatchGoroutinesKeepsTheLastLook(t *testing.T) {
 
 // parseLabels reads the form a dump prints labels in.
 func TestParseLabels(t *testing.T) {
-	got := parseLabels(`{"component":"api", "route":"GET /api/orders/:id", "x":"a \"q\""}`)
-	want := map[string]string{"component": "api", "route": "GET /api/orders/:id", "x": `a "q"`}
+	got := parseLabels(`{"component":"api", "route":"GET /api/items/:id", "x":"a \"q\""}`)
+	want := map[string]string{"component": "api", "route": "GET /api/items/:id", "x": `a "q"`}
 	if len(got) != len(want) {
 		t.Fatalf("parseLabels = %v", got)
 	}
@@ -203,7 +203,7 @@ func BenchmarkLabelRequests(b *testing.B) {
 			if mode != "off" {
 				mw = append(mw, labelRequests())
 			}
-			e.GET("/api/orders/:id", h, mw...)
+			e.GET("/api/items/:id", h, mw...)
 			if mode == "labels+recorder" {
 				fr := rtrace.NewFlightRecorder(rtrace.FlightRecorderConfig{})
 				if err := fr.Start(); err != nil {
@@ -211,7 +211,7 @@ func BenchmarkLabelRequests(b *testing.B) {
 				}
 				defer fr.Stop()
 			}
-			req := httptest.NewRequest(http.MethodGet, "/api/orders/1", nil)
+			req := httptest.NewRequest(http.MethodGet, "/api/items/1", nil)
 			b.ReportAllocs()
 			for b.Loop() {
 				e.ServeHTTP(httptest.NewRecorder(), req)
