@@ -27,9 +27,11 @@ command -v redis-server >/dev/null || missing+=(redis-server)
 command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
 command -v curl >/dev/null || missing+=(curl)
 command -v jq >/dev/null || missing+=(jq)
+# demo:begin (the orders demo's browser test of the dashboard)
 if [ "$use" = tests ]; then
-  command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium) # demo:begin (this line) demo:end
+  command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium)
 fi
+# demo:end
 if ((${#missing[@]})); then
   if [ "$(id -u)" -ne 0 ]; then
     echo "missing: ${missing[*]}: install them (sudo apt-get install ${missing[*]}) and run again" >&2
