@@ -682,6 +682,7 @@ func toolingEnv() []string {
 	return []string{"KUMIKO_BIN", "KUMIKO_FUZZTIME", "KUMIKO_K8S_CACHE", "KUMIKO_K8S_SMOKE", "KUMIKO_REGENERATE", "KUMIKO_REQUIRE_SERVICES",
 		// demo:begin (the orders demo's tests read these; scripts/new-service.sh --bare removes this block)
 		"KUMIKO_BENCH_BINARY", "KUMIKO_FLEET_FAULT", "KUMIKO_SCREENSHOT", "KUMIKO_TEST_REDIS_OUTAGE",
+		"KUMIKO_BENCH_PAIRS", "KUMIKO_BENCH_SECONDS", "KUMIKO_BENCH_TOGETHER", "KUMIKO_BENCH_WORKERS",
 		// demo:end
 	}
 }

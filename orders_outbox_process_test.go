@@ -116,6 +116,10 @@ func TestProcessCrashedPollerBatchIsRedelivered(t *testing.T) {
 	)
 	// The survivor takes crashy's share once crashy's entry among the pollers expires.
 	env["KUMIKO_HEARTBEAT_TTL"], env["KUMIKO_HEARTBEAT_INTERVAL"] = "1s", "250ms"
+	// The lock below holds every River fetch too, each on a pooled connection:
+	// a pool with room for them leaves the orders theirs (the default, 4 on
+	// 2 cores, would be the jobs worker's alone, and this test is not about that).
+	env["DATABASE_URL"] += "&pool_max_conns=16"
 	crashy := startProc(t, env)
 	_, api := crashy.waitReady()
 	pool := sharedPool(t, env)
