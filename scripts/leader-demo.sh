@@ -34,8 +34,11 @@ first=$(leader); echo ">>> leader: $first (instance:fencing token)"
 victim=${first%%:*}
 echo ">>> kill -9 $victim: the follower waits for the lock to expire ($KUMIKO_LEADER_LOCK_TTL)"
 n=${victim#app}
+# Disowned first: the shell then says nothing when it reaps it (otherwise a
+# "Killed" line, whenever it happens to notice, even before reap's wait).
+disown "${app_pids[$n]}" 2>/dev/null || true
 kill -9 "${app_pids[$n]}"
-reap "${app_pids[$n]}" # quietly: no "Killed" line from the shell
+while kill -0 "${app_pids[$n]}" 2>/dev/null; do sleep 0.05; done
 unset 'app_pids[n]'
 start=$(date +%s.%N)
 while [ "$(leader)" = "$first" ] || [ -z "$(leader)" ]; do sleep 0.05; done
