@@ -30,11 +30,7 @@ import (
 // both swallowed).
 func TestOrdersSlowDatabaseStoredIffTold(t *testing.T) {
 	t.Parallel()
-	tp := testToxiproxy(t)
-	env := fastEnv(t)
-	direct := env["DATABASE_URL"]
-	pgProxy := proxyTo(t, tp, "postgres", must(url.Parse(direct)).Host)
-	env["DATABASE_URL"] = withHost(t, direct, pgProxy.Listen)
+	env, direct, pgProxy := slowDatabaseEnv(t)
 	p := startProc(t, env)
 	_, api := p.waitReady()
 	client := &http.Client{Timeout: 60 * time.Second}
@@ -187,11 +183,7 @@ func TestOrdersSlowDatabaseStoredIffTold(t *testing.T) {
 // jobs worker's fetches.
 func TestDrainWithASlowDatabaseExitsZero(t *testing.T) {
 	t.Parallel()
-	tp := testToxiproxy(t)
-	env := fastEnv(t)
-	direct := env["DATABASE_URL"]
-	pgProxy := proxyTo(t, tp, "postgres", must(url.Parse(direct)).Host)
-	env["DATABASE_URL"] = withHost(t, direct, pgProxy.Listen)
+	env, direct, pgProxy := slowDatabaseEnv(t)
 	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "40s" // the default: the releases' shares are derived from it
 	env["KUMIKO_DRAIN_TIMEOUT"] = "30s"
 	p := startProc(t, env)
@@ -233,4 +225,16 @@ func TestDrainWithASlowDatabaseExitsZero(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("draining events recorded: %d", draining)
+}
+
+// slowDatabaseEnv is a service's environment with Toxiproxy between it and
+// PostgreSQL: the proxy to put toxics on, and the direct URL to read the truth.
+func slowDatabaseEnv(t *testing.T) (env map[string]string, direct string, pgProxy *toxiproxy.Proxy) {
+	t.Helper()
+	tp := testToxiproxy(t)
+	env = fastEnv(t)
+	direct = env["DATABASE_URL"]
+	pgProxy = proxyTo(t, tp, "postgres", must(url.Parse(direct)).Host)
+	env["DATABASE_URL"] = withHost(t, direct, pgProxy.Listen)
+	return env, direct, pgProxy
 }

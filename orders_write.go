@@ -332,11 +332,11 @@ func (w *orderWriter) settle(rows []*orderRow, interrupted *statementUnknown) {
 		ctx, cancel = context.WithTimeout(ctx, w.statement)
 		defer cancel()
 	}
+	unknown := fmt.Errorf("%w: %w", errOutcomeUnknown, interrupted)
 	ids := make([]pgtype.UUID, len(rows))
 	byID := make(map[uuid.UUID]*orderRow, len(rows))
 	for i, r := range rows {
-		ids[i], byID[r.publicID] = pgtype.UUID{Bytes: r.publicID, Valid: true}, r
-		r.err = fmt.Errorf("%w: %w", errOutcomeUnknown, interrupted)
+		ids[i], byID[r.publicID], r.err = pgtype.UUID{Bytes: r.publicID, Valid: true}, r, unknown
 	}
 	// Half of the budget for the old process to end: the look-up needs the rest.
 	waitMs := int64(time.Until(deadlineOr(ctx, time.Now().Add(time.Second))) / time.Millisecond / 2)
@@ -356,7 +356,7 @@ func (w *orderWriter) settle(rows []*orderRow, interrupted *statementUnknown) {
 	if err := readWritten(res, byID); err != nil {
 		for _, r := range rows {
 			if r.id == 0 {
-				r.err = fmt.Errorf("%w: %w", errOutcomeUnknown, interrupted)
+				r.err = unknown
 			}
 		}
 	}
