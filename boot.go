@@ -226,8 +226,10 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	if err := a.retry(ctx, p, componentOutboxPoller, 3, poller.Start); err != nil {
 		return err
 	}
-	// The batch in hand finishes, then the poller leaves the pollers (a Redis release).
-	a.lc.RegisterShutdownHook(componentOutboxPoller, within(a.timeouts.batchFinish+a.timeouts.redisRelease, poller.stopLosingNothing))
+	// The batch in hand finishes, then the poller leaves the pollers (a Redis
+	// release). A beat's Redis call in flight when the stop began is waited
+	// out too: go-redis ends a call at its deadline, not at a cancel.
+	a.lc.RegisterShutdownHook(componentOutboxPoller, within(a.timeouts.batchFinish+2*a.timeouts.redisRelease, poller.stopLosingNothing))
 	a.lc.OnStateChange(recordStateChanges(a.db, a.cfg.InstanceID, a.timeouts.stateRecord, a.log.WithField("component", "events")))
 	return nil
 }

@@ -364,8 +364,16 @@ func TestRedisBlackHoleAtBootMidRunAndInTheDrain(t *testing.T) {
 			t.Errorf("no step line for %s", step)
 			continue
 		}
-		if ms, _ := line[0]["duration_ms"].(float64); ms > 3000 {
-			t.Errorf("step %s took %.0f ms: want about a second at most", step, ms)
+		// A release waits out one Redis call of a second; the poller two: a
+		// beat in flight, then its leave (go-redis ends a call at its deadline).
+		ms, _ := line[0]["duration_ms"].(float64)
+		t.Logf("step %s: %.0f ms %v", step, ms, line[0]["error"])
+		bound := 3000.0
+		if step == "outboxPoller" {
+			bound = 4000
+		}
+		if ms > bound {
+			t.Errorf("step %s took %.0f ms: want at most %.0f", step, ms, bound)
 		}
 	}
 	for _, step := range []string{"heartbeats", "clusterStatus"} {
