@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/sirupsen/logrus"
 )
 
@@ -208,7 +209,8 @@ func (a *app) bootValidation(ctx context.Context, p *phaseRun) error {
 // need a working poller; then the boot ends.
 func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	log := componentJobsWorker.log(a.log)
-	j, err := newJobs(jobsDeps{cfg: a.cfg.Jobs, softStop: a.timeouts.jobsSoftStop, rescue: a.timeouts.jobsRescue, instanceID: a.cfg.InstanceID,
+	riverPool := func(conns int32) (*pgxpool.Pool, error) { return a.newPool(ctx, "river", conns) }
+	j, err := newJobs(jobsDeps{cfg: a.cfg.Jobs, newPool: riverPool, softStop: a.timeouts.jobsSoftStop, rescue: a.timeouts.jobsRescue, instanceID: a.cfg.InstanceID,
 		features: a.features, tracer: a.tracing.tracer, metrics: a.metrics, log: log,
 		work: workDeps{log: log, call: a.timeouts.jobCall,
 			db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket, masterKey: a.masterKey}})

@@ -614,7 +614,7 @@ func (h *heldRequest) release(t *testing.T, pool *pgxpool.Pool) {
 	if got := <-h.answer; got.err == nil {
 		t.Errorf("the victim answered the held request after its SIGKILL: %s", got)
 	}
-	if _, err := pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1`,
+	if _, err := pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name IN ($1, $1 || '/river')`,
 		serviceName+"/"+crashVictim); err != nil {
 		t.Fatal(err)
 	}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -21,23 +22,14 @@ import (
 // dbConnect is phase 7: the pgx pool, retried with backoff. The pool's release
 // and its readiness check are registered as soon as it answers.
 func (a *app) dbConnect(ctx context.Context, p *phaseRun) error {
-	poolCfg, err := pgxpool.ParseConfig(a.cfg.DatabaseURL)
+	created, err := a.newPool(ctx, "", 0)
 	if err != nil {
 		// A malformed URL will not heal with retries.
-		return fmt.Errorf("parsing DATABASE_URL: %w", err)
+		return err
 	}
-	var pool atomic.Pointer[pgxpool.Pool] // set below; the hook may fire while the first ping runs
-	hardenConnConfig(poolCfg.ConnConfig, serviceName+"/"+a.cfg.InstanceID, a.timeouts,
-		func() { purgePool(pool.Load()) })
-	poolCfg.AfterRelease = reusable
-	created, err := pgxpool.NewWithConfig(ctx, poolCfg) // lazy: connects on first use
-	if err != nil {
-		return fmt.Errorf("creating the pool: %w", err)
-	}
-	pool.Store(created)
 	// The readiness probe's own connection is made here too, in the connect
 	// window, so the first probe (phase 16) does not pay for a connection.
-	probe := &dbProbe{config: poolCfg.ConnConfig, pool: created}
+	probe := &dbProbe{config: created.Config().ConnConfig, pool: created}
 	connect := func(ctx context.Context) error {
 		if err := created.Ping(ctx); err != nil {
 			return err
@@ -58,6 +50,33 @@ func (a *app) dbConnect(ctx context.Context, p *phaseRun) error {
 	}))
 	a.health.RegisterReadinessCheck(componentDB.String(), true, probe.check)
 	return nil
+}
+
+// newPool is a pool on DATABASE_URL whose every connection is hardened
+// (hardenConnConfig) and named after the instance, plus "/"+role for a pool
+// with a role of its own. maxConns 0 keeps the URL's pool_max_conns (or
+// pgx's default). Lazy: it connects on first use.
+func (a *app) newPool(ctx context.Context, role string, maxConns int32) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(a.cfg.DatabaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("parsing DATABASE_URL: %w", err)
+	}
+	if maxConns > 0 {
+		cfg.MaxConns = maxConns
+	}
+	name := serviceName + "/" + a.cfg.InstanceID
+	if role != "" {
+		name += "/" + role
+	}
+	var pool atomic.Pointer[pgxpool.Pool] // set below; the hook may fire while the first ping runs
+	hardenConnConfig(cfg.ConnConfig, name, a.timeouts, func() { purgePool(pool.Load()) })
+	cfg.AfterRelease = reusable
+	created, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("creating the %s pool: %w", cmp.Or(role, "database"), err)
+	}
+	pool.Store(created)
+	return created, nil
 }
 
 // hardenConnConfig prepares every connection of the service for a database

@@ -13,6 +13,7 @@ import (
 	"unicode"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/labstack/echo/v4"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
@@ -28,6 +29,7 @@ import (
 // (features.go).
 type jobs struct {
 	client      *river.Client[pgx.Tx]
+	pool        *pgxpool.Pool // River's own (newJobs); Stop closes it
 	stopping    atomic.Bool               // Stop has begun: a job cancelled now was interrupted, not failed
 	subscribers map[string][]subscription // event type → the jobs it triggers
 	manual      map[string]manualJob      // kind → a job an operator may run
@@ -38,6 +40,7 @@ type jobs struct {
 // jobsDeps is what newJobs builds the River client from.
 type jobsDeps struct {
 	cfg        jobsConfig
+	newPool    func(maxConns int32) (*pgxpool.Pool, error) // River's own pool, lazy
 	softStop   time.Duration // how long a stop lets running jobs finish before River cancels them
 	rescue     time.Duration // River runs a job again once it has been running this long: it was stranded
 	instanceID string
@@ -64,9 +67,19 @@ func newJobs(d jobsDeps) (*jobs, error) {
 			j.manual[m.kind] = m
 		}
 	}
-	client, err := river.NewClient(riverpgxv5.New(d.work.db), &river.Config{
+	// River works on a pool of its own: a connection listens, and every
+	// queue's producer fetches on each poll. On the request path's pool,
+	// those fetches held its few connections whenever PostgreSQL slowed
+	// down, and requests and the lifecycle's own records waited behind them.
+	// Each queue a connection, one to listen, one to complete and maintain.
+	queues := queuesByKind(workerKinds(d.features), int(d.cfg.Workers))
+	pool, err := d.newPool(int32(len(queues) + 2))
+	if err != nil {
+		return nil, err
+	}
+	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
 		ID:                   d.instanceID,
-		Queues:               queuesByKind(workerKinds(d.features), int(d.cfg.Workers)),
+		Queues:               queues,
 		Workers:              workers,
 		FetchPollInterval:    d.cfg.PollInterval,
 		JobTimeout:           d.cfg.Timeout,
@@ -77,9 +90,10 @@ func newJobs(d jobsDeps) (*jobs, error) {
 			river.JobInsertMiddlewareFunc(insertIntoKindQueue)},
 	})
 	if err != nil {
+		pool.Close()
 		return nil, fmt.Errorf("creating the River client: %w", err)
 	}
-	j.client = client
+	j.client, j.pool = client, pool
 	return j, nil
 }
 
@@ -227,9 +241,18 @@ func (j *jobs) Start(ctx context.Context) error { return j.client.Start(context.
 // kumiko_jobs_total{result="interrupted"} — like a force-closed request, a
 // warning, not a failed shutdown. Only when ctx, the hook's slice of the shutdown budget, ends
 // first are the jobs cancelled here. Stop of an unstarted client returns at
-// once.
+// once. A stopped client has given back every connection: River's pool
+// closes with it.
 func (j *jobs) Stop(ctx context.Context) error {
 	j.stopping.Store(true)
+	err := j.stopClient(ctx)
+	if err == nil {
+		j.pool.Close()
+	}
+	return err
+}
+
+func (j *jobs) stopClient(ctx context.Context) error {
 	err := j.client.Stop(ctx)
 	if err == nil || ctx.Err() == nil {
 		return err
