@@ -16,7 +16,9 @@
 #     Last-Event-ID, no event missing;
 #   - `kubectl delete pod` of the leader hands the lock over within 1 s, and
 #     no cron tick is enqueued twice or lost;
-#   - `kubectl drain` honours the PodDisruptionBudget.
+#   - `kubectl drain` honours the PodDisruptionBudget;
+#   - a drain abandoned by a second SIGTERM restarts the container in place,
+#     and `kubectl describe pod` shows the app's termination message.
 #
 # The cluster: etcd (Debian etcd-server), kube-apiserver,
 # kube-controller-manager, kube-scheduler, kubelet, kube-proxy (iptables
@@ -778,5 +780,39 @@ zero=$(awk '{ n = gsub(/=true/, "") } n == 0 { z++ } END { print z + 0 }' "$LOGS
 [ "$zero" -eq 0 ] || fail "$zero EndpointSlice states with no ready pod"
 refused=$(grep -c 'disruption budget' "$LOGS/drain.log" || true)
 
+# ---- a drain gone wrong, in kubectl describe pod ----
+STEP="termination message"
+# A container restarted in place keeps its last state, and the kubelet takes
+# its message from the file the app writes when a drain goes wrong
+# (/dev/termination-log). Here a request held in flight keeps the drain
+# going, and a second SIGTERM, sent to the container by its runtime (not
+# through the API: the pod stays), abandons it: exit 1, and the kubelet
+# starts the container again in the same pod.
+pod=$(kubectl get pods -l app=$APP -o jsonpath='{.items[0].metadata.name}')
+podip=$(kubectl get pod "$pod" -o jsonpath='{.status.podIP}')
+cid=$(kubectl get pod "$pod" -o jsonpath='{.status.containerStatuses[0].containerID}')
+cid=${cid#containerd://}
+restarts=$(kubectl get pod "$pod" -o jsonpath='{.status.containerStatuses[0].restartCount}')
+curl -s -m 120 -o /dev/null "http://$podip:8080/api/slow?ms=60000" &
+slow_pid=$!
+bg_pids+=("$slow_pid")
+in_flight() { curl -fsS -m 2 "http://$podip:9090/metrics" | grep '^kumiko_http_requests_in_flight [1-9]' >/dev/null; }
+wait_for "the slow request in flight on $pod" 20 in_flight
+ctr --address "$SOCK" -n k8s.io tasks kill -s SIGTERM "$cid" || fail "ctr tasks kill -s SIGTERM $cid"
+draining() { kubectl logs "$pod" | grep '"to":"draining"' >/dev/null; }
+wait_for "$pod draining" 20 draining
+ctr --address "$SOCK" -n k8s.io tasks kill -s SIGTERM "$cid" || fail "the second SIGTERM to $cid"
+restarted() { [ "$(kubectl get pod "$pod" -o jsonpath='{.status.containerStatuses[0].restartCount}')" -gt "$restarts" ]; }
+wait_for "$pod restarted in place" 90 restarted
+kubectl describe pod "$pod" >"$LOGS/describe-$pod.txt" || fail "kubectl describe pod $pod"
+last_exit=$(kubectl get pod "$pod" -o jsonpath='{.status.containerStatuses[0].lastState.terminated.exitCode}')
+message=$(kubectl get pod "$pod" -o jsonpath='{.status.containerStatuses[0].lastState.terminated.message}')
+[ "$last_exit" = 1 ] || fail "$pod's last state: exit code '$last_exit', want 1 (a drain abandoned by a second signal)"
+[[ "$message" == *"second signal"* ]] || fail "$pod's termination message does not say why: '$message'"
+grep -q 'second signal' "$LOGS/describe-$pod.txt" || fail "kubectl describe pod $pod does not show the termination message (see $LOGS/describe-$pod.txt)"
+say "$pod restarted in place; kubectl describe pod shows: ${message:0:200}"
+kill "$slow_pid" 2>/dev/null || true
+kubectl rollout status "deployment/$APP" --timeout=180s >/dev/null || fail "the Deployment did not recover after the restart in place"
+
 STEP="teardown"
-SUMMARY="k8s-smoke: ok: build=${build_secs}s($build_what) images=${images_secs}s cluster_start=${cluster_secs}s rollout: requests=$requests (post=$posts, keep-alive + fresh connections) failed=$failed p99=${p99}ms duration=${rollout_secs}s race[${race% }] linger=3000ms sse[$sse] handover=${handover}ms(sigterm+${handover_from_term}ms) cron_ticks=$ticks dup=0 gaps=0 drain: pdb_refusals=$refused min_ready>=1"
+SUMMARY="k8s-smoke: ok: build=${build_secs}s($build_what) images=${images_secs}s cluster_start=${cluster_secs}s rollout: requests=$requests (post=$posts, keep-alive + fresh connections) failed=$failed p99=${p99}ms duration=${rollout_secs}s race[${race% }] linger=3000ms sse[$sse] handover=${handover}ms(sigterm+${handover_from_term}ms) cron_ticks=$ticks dup=0 gaps=0 drain: pdb_refusals=$refused min_ready>=1 restarted_in_place=1 termination_message=yes"
