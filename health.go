@@ -170,19 +170,6 @@ func (rd *readiness) run(ctx context.Context, c *check) {
 	c.result, c.at = res, time.Now()
 }
 
-// refresh runs every check once now, concurrently, and keeps the results;
-// tests use it to read a report without waiting for the loops.
-func (rd *readiness) refresh(ctx context.Context) {
-	rd.mu.Lock()
-	checks := slices.Clone(rd.checks)
-	rd.mu.Unlock()
-	var wg sync.WaitGroup
-	for _, c := range checks {
-		wg.Go(func() { rd.run(ctx, c) })
-	}
-	wg.Wait()
-}
-
 // WaitFirstResults returns once every check has a first result, or when ctx
 // ends. Phase 16 waits for it: the first 200 must be backed by a real probe
 // of what gates, and its body shows every check. An optional check is waited

@@ -194,3 +194,16 @@ func TestFirstResultsWaitOneProbeTimeoutForOptionalChecks(t *testing.T) {
 		t.Fatalf("a hung optional check: ready=%v, degraded %v; want ready with search degraded", ok, rep.Degraded)
 	}
 }
+
+// refresh runs every check once now, concurrently, and keeps the results:
+// a test reads a report without waiting for the loops.
+func (rd *readiness) refresh(ctx context.Context) {
+	rd.mu.Lock()
+	checks := slices.Clone(rd.checks)
+	rd.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, c := range checks {
+		wg.Go(func() { rd.run(ctx, c) })
+	}
+	wg.Wait()
+}

@@ -29,7 +29,7 @@ import (
 // (features.go).
 type jobs struct {
 	client      *river.Client[pgx.Tx]
-	pool        *pgxpool.Pool // River's own (newJobs); Stop closes it
+	pool        *pgxpool.Pool             // River's own (newJobs); Stop closes it
 	stopping    atomic.Bool               // Stop has begun: a job cancelled now was interrupted, not failed
 	subscribers map[string][]subscription // event type → the jobs it triggers
 	manual      map[string]manualJob      // kind → a job an operator may run
@@ -41,8 +41,8 @@ type jobs struct {
 type jobsDeps struct {
 	cfg        jobsConfig
 	newPool    func(maxConns int32) (*pgxpool.Pool, error) // River's own pool, lazy
-	softStop   time.Duration // how long a stop lets running jobs finish before River cancels them
-	rescue     time.Duration // River runs a job again once it has been running this long: it was stranded
+	softStop   time.Duration                               // how long a stop lets running jobs finish before River cancels them
+	rescue     time.Duration                               // River runs a job again once it has been running this long: it was stranded
 	instanceID string
 	features   []feature
 	work       workDeps

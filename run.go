@@ -25,6 +25,7 @@ commands:
   migrate force N     mark the schema as being at version N (after repairing a failed migration)
   workers             list the live workers of every instance (Redis heartbeats)
   healthcheck         exit 0 when the local /health/ready answers 200 (for Docker HEALTHCHECK)
+  settings            print every setting: its environment name, file key, default and what it accepts
   version             print the version`
 
 // run is the whole program: everything the OS gives is an argument, so tests
@@ -45,6 +46,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, environ
 		return runWorkers(ctx, getenv, environ, stdout)
 	case "healthcheck":
 		return runHealthcheck(ctx, getenv)
+	case "settings":
+		_, err := io.WriteString(stdout, configReference())
+		return err
 	case "version":
 		fmt.Fprintln(stdout, serviceName, version)
 		return nil

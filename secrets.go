@@ -93,19 +93,12 @@ func (k *masterKey) mac(purpose string, msg []byte) []byte {
 }
 
 // seal encrypts plaintext; aad binds the result to its context (e.g. "note:42")
-// so a sealed value cannot be moved to another row.
+// so a sealed value cannot be moved to another row. The service never reads
+// a sealed value back: its inverse, open, is the tests' (secrets_test.go).
 func (k *masterKey) seal(plaintext, aad []byte) []byte {
 	nonce := make([]byte, k.aead.NonceSize())
 	rand.Read(nonce) // crypto/rand.Read never fails on Linux (Go ≥1.24 panics instead)
 	return k.aead.Seal(nonce, nonce, plaintext, aad)
-}
-
-func (k *masterKey) open(sealed, aad []byte) ([]byte, error) {
-	n := k.aead.NonceSize()
-	if len(sealed) < n {
-		return nil, errors.New("sealed value too short")
-	}
-	return k.aead.Open(nil, sealed[:n], sealed[n:], aad)
 }
 
 // secrets is phase 3.
