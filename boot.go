@@ -199,7 +199,7 @@ func (a *app) featureRegister(ctx context.Context, p *phaseRun) error {
 
 // bootValidation is phase 6.
 func (a *app) bootValidation(ctx context.Context, p *phaseRun) error {
-	return validateFeatures(a.features)
+	return validateFeatures(a.features, a.masterKey != nil)
 }
 
 // outboxPoller is phase 13. The River client is created first, not yet

@@ -162,6 +162,7 @@ func purgePool(p *pgxpool.Pool) {
 // ---------------------------------------------------------------------------
 // The request path
 
+// demo:begin (only the orders demo retries; a bare copy drops it)
 // retrySafe runs fn, the database work of one request, and runs it once more
 // when the first try failed on the connection rather than on the statement:
 // nothing of it reached the server (pgconn.SafeToRetry), the server answered
@@ -186,6 +187,8 @@ func retrySafe[T any](ctx context.Context, db *pgxpool.Pool, fn func(context.Con
 	}
 	return fn(ctx)
 }
+
+// demo:end
 
 // connectionLost reports an error that says the connection, not the
 // statement, failed: the server went away, or the socket broke.

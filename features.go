@@ -138,10 +138,13 @@ func (d workDeps) usedBy(f feature) workDeps {
 		storage: given(f, usesStorage, d.storage), bucket: given(f, usesStorage, d.bucket)}
 }
 
+// demo:begin (a bare copy has no job that calls out, nor one an event triggers: these go too)
 // external is the context of one call to a dependency outside the database.
 func (d workDeps) external(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(ctx, d.call)
 }
+
+// demo:end
 
 // worker is one job kind and the function that works it.
 type worker struct {
@@ -168,9 +171,13 @@ type subscription struct {
 	args        func([]outboxEvent) (river.JobArgs, error)
 }
 
+// demo:begin (the demo is the only subscriber: a bare copy drops this)
+// subscribe declares the jobs of args T that events of one type trigger.
 func subscribe[T river.JobArgs](event string, args func([]outboxEvent) (T, error)) subscription {
 	return subscription{event: event, kind: kindOf[T](), args: func(evs []outboxEvent) (river.JobArgs, error) { return args(evs) }}
 }
+
+// demo:end
 
 // cronJob inserts a job on every tick of spec. Its args carry the tick (a
 // unique key, so two leaders never enqueue one tick twice) and the leader's
@@ -236,7 +243,7 @@ func workerKinds(features []feature) []string {
 // validateFeatures is phase 6: every problem of the feature list, all at once.
 // A job that something starts but no feature works would otherwise surface
 // only when the first event is delivered, as a poison event.
-func validateFeatures(features []feature) error {
+func validateFeatures(features []feature, haveMasterKey bool) error {
 	var problems []error
 	seen := func(kind string) func(owner, name string) {
 		owners := map[string]string{}
@@ -259,6 +266,10 @@ func validateFeatures(features []feature) error {
 		}
 		for _, w := range f.workers {
 			jobKind(f.name, w.kind)
+		}
+		if slices.Contains(f.uses, usesMasterKey) && !haveMasterKey {
+			problems = append(problems, fmt.Errorf("feature %s uses the master key: set KUMIKO_MASTER_KEY "+
+				"(base64 of 32 random bytes: head -c 32 /dev/urandom | base64) or KUMIKO_MASTER_KEY_FILE", f.name))
 		}
 		for _, s := range f.requires {
 			if !s.present {

@@ -189,22 +189,21 @@ func (testManualArgs) Kind() string { return "sleep" }
 
 func TestValidateFeaturesListsEveryProblem(t *testing.T) {
 	index := func(workDeps, context.Context, *river.Job[testIndexArgs]) error { return nil }
-	indexArgs := func([]outboxEvent) (testIndexArgs, error) { return testIndexArgs{}, nil }
 	digestAt := func(time.Time, int64) testDigestArgs { return testDigestArgs{} }
 	err := validateFeatures([]feature{
 		{name: "notes", publishes: []string{"note.added"}, workers: []worker{work(index)},
-			subscriptions: []subscription{subscribe("note.added", indexArgs), subscribe("note.archived", indexArgs)},
+			subscriptions: []subscription{{event: "note.added", kind: "indexNote"}, {event: "note.archived", kind: "indexNote"}},
 			crons:         []cronJob{schedule("*/5 * * *", digestAt)}},
-		{name: "notes", requires: []setting{{name: "MEILI_URL", present: false}}},
+		{name: "notes", requires: []setting{{name: "MEILI_URL", present: false}}, uses: []dependency{usesMasterKey}},
 		{name: "digests", workers: []worker{work(index)}, routes: []route{{method: "GET", path: "/digests"}},
 			manualJobs: []manualJob{byHand(func(echo.Context) (testManualArgs, error) { return testManualArgs{}, nil })}},
-	})
+	}, false)
 	if err == nil {
 		t.Fatal("no error")
 	}
 	for _, want := range []string{`feature "notes" is declared by both`, `unknown event "note.archived"`,
 		`schedules job "digest", which no feature works`, `run job "sleep", which no feature works`,
-		`cron "*/5 * * *"`, "needs MEILI_URL", `job "indexNote" is declared by both`, "outside /api/"} {
+		`cron "*/5 * * *"`, "needs MEILI_URL", "notes uses the master key: set KUMIKO_MASTER_KEY", `job "indexNote" is declared by both`, "outside /api/"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("missing %q in:\n%v", want, err)
 		}

@@ -357,6 +357,16 @@ func TestNewServiceScriptBare(t *testing.T) {
 
 	goCmd := goInCopy(t, dir, "", "", "BILLING_")
 	goCmd(3*time.Minute, "vet", "./...")
+	// Every function the copy keeps is one it runs.
+	if dc, err := findGoTool("deadcode", "deadcode binary", "scripts/install-deps.sh (go install golang.org/x/tools/cmd/deadcode@v0.52.0)"); err != nil {
+		failOrSkip(t, err)
+	} else {
+		cmd := exec.Command(dc, ".")
+		cmd.Dir = dir
+		if out, err := cmd.CombinedOutput(); err != nil || len(out) > 0 {
+			t.Errorf("deadcode in the bare copy: %v\n%s", err, out)
+		}
+	}
 	gofmtCmd := exec.Command("gofmt", "-l", ".")
 	gofmtCmd.Dir = dir
 	if out, err := gofmtCmd.CombinedOutput(); err != nil || len(out) > 0 {
@@ -371,6 +381,7 @@ func TestNewServiceScriptBare(t *testing.T) {
 	for k, v := range env {
 		bareEnv[strings.Replace(k, "KUMIKO_", "BILLING_", 1)] = v
 	}
+	delete(bareEnv, "BILLING_MASTER_KEY") // no feature of a bare copy uses one
 	p := startBinary(t, bin, bareEnv)
 	_, api := p.waitReady()
 	for path, want := range map[string]int{"/api/orders": http.StatusNotFound, "/api/slow?ms=1": http.StatusOK} {

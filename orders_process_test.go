@@ -742,3 +742,24 @@ func TestStuckSearchesNeitherStarveTheProbeNorHang(t *testing.T) {
 	}
 	t.Logf("%d stuck searches, slowest answered in %s; %d probes all 200", len(searches), searches[len(searches)-1].took, len(probes))
 }
+
+// The orders seal receipts and sign read tokens with the master key: without
+// one the boot stops in phase 6, before anything connects, naming the
+// feature and how to make a key. (A service whose features use no key boots
+// without one: TestNewServiceScriptBare.)
+func TestOrdersWithoutAMasterKeyStopTheBoot(t *testing.T) {
+	t.Parallel()
+	env := fastEnv(t)
+	delete(env, "KUMIKO_MASTER_KEY")
+	p := startProc(t, env)
+	if code := p.wait(10 * time.Second); code != 1 {
+		t.Fatalf("exit code %d without a master key, want 1", code)
+	}
+	failed := p.logsMatching(map[string]any{"msg": "lifecycle", "phase": "bootValidation", "outcome": "failed"})
+	if len(failed) != 1 || !strings.Contains(fmt.Sprint(failed[0]["error"]), "feature orders uses the master key: set KUMIKO_MASTER_KEY") {
+		t.Errorf("the bootValidation phase's failure: %v, want one naming the orders feature and the key", failed)
+	}
+	if len(p.logsMatching(map[string]any{"msg": "lifecycle", "phase": "dbConnect"})) != 0 {
+		t.Error("the boot went on to dbConnect without the master key")
+	}
+}

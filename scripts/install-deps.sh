@@ -58,6 +58,7 @@ case $use in
 tests)
   go_tool versitygw github.com/versity/versitygw/cmd/versitygw@v1.8.0 "S3 server for the storage tests"
   go_tool toxiproxy-server github.com/Shopify/toxiproxy/v2/cmd/server@v2.5.0 "fault injection in the dependency-blip tests"
+  go_tool deadcode golang.org/x/tools/cmd/deadcode@v0.52.0 "the bare copy's test: no function it keeps is unreachable"
   ;;
 bench)
   go_tool versitygw github.com/versity/versitygw/cmd/versitygw@v1.8.0 "S3 server for the benchmarks"
