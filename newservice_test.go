@@ -358,9 +358,12 @@ func TestNewServiceScriptBare(t *testing.T) {
 	goCmd := goInCopy(t, dir, "", "", "BILLING_")
 	goCmd(3*time.Minute, "vet", "./...")
 	// Every function the copy keeps is one it runs.
-	if dc, err := findGoTool("deadcode", "deadcode binary", "scripts/install-deps.sh (go install golang.org/x/tools/cmd/deadcode@v0.52.0)"); err != nil {
-		failOrSkip(t, err)
-	} else {
+	switch dc, err := findGoTool("deadcode", "deadcode binary", "scripts/install-deps.sh (go install golang.org/x/tools/cmd/deadcode@v0.52.0)"); {
+	case err != nil && os.Getenv("KUMIKO_REQUIRE_SERVICES") == "1":
+		t.Error(err)
+	case err != nil:
+		t.Logf("not looked for unreachable functions: %v", err) // the rest of the copy is still worth testing
+	default:
 		cmd := exec.Command(dc, ".")
 		cmd.Dir = dir
 		if out, err := cmd.CombinedOutput(); err != nil || len(out) > 0 {

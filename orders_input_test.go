@@ -88,3 +88,26 @@ func TestEveryClientInputIsValidatedOrRefused(t *testing.T) {
 		return n == 2
 	})
 }
+
+// FuzzKeyProblem: the byte walk that keyProblem takes for valid JSON names
+// the same first problem as the token walk it replaces on the request path.
+func FuzzKeyProblem(f *testing.F) {
+	for _, seed := range []string{
+		`{"title":"Ada","parts":[{"size":"t","count":1,"weightGrams":1}]}`,
+		`{"title":"Ada","title":"Bob"}`, `{"parts":[{"count":1,"count":9}]}`, `{"TITLE":1}`, `{"ſize":1}`,
+		`{"tit\u006ce":1,"title":2}`, `{"a":"title","title":"\"title\"","title":3}`,
+		`[{"size":1},{"size":2}]`, `{"x":{"size":1},"size":2,"y":[{"size":3,"SIZE":4}]}`, `"title"`, `{}`, `[]`,
+		`{"title":"Ada","title":1} trailing`, `{"title":1,`,
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		if !json.Valid(raw) {
+			return // keyProblem takes the token walk itself
+		}
+		names := []string{"title", "parts", "size", "count", "weightGrams"}
+		if got, want := scanKeys(raw, names), keyProblemByTokens(raw, names); got != want {
+			t.Fatalf("%q: byte walk %q, token walk %q", raw, got, want)
+		}
+	})
+}
