@@ -106,6 +106,12 @@ func (d routeDeps) usedBy(f feature) routeDeps {
 		masterKey: given(f, usesMasterKey, d.masterKey), sse: given(f, usesStreams, d.sse)}
 }
 
+// anyUses reports whether some feature uses dep: a dependency nothing uses
+// is not connected to (phases 11 and 12).
+func anyUses(features []feature, dep dependency) bool {
+	return slices.ContainsFunc(features, func(f feature) bool { return slices.Contains(f.uses, dep) })
+}
+
 // given is v when f uses dep, else nothing.
 func given[T any](f feature, dep dependency, v T) T {
 	if slices.Contains(f.uses, dep) {

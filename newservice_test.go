@@ -385,8 +385,16 @@ func TestNewServiceScriptBare(t *testing.T) {
 		bareEnv[strings.Replace(k, "KUMIKO_", "BILLING_", 1)] = v
 	}
 	delete(bareEnv, "BILLING_MASTER_KEY") // no feature of a bare copy uses one
+	// Nor search or file storage: configured or not, neither is connected to.
+	bareEnv["MEILI_URL"], bareEnv["S3_ENDPOINT"] = "http://"+freeTCPAddr(t), freeTCPAddr(t)
+	bareEnv["S3_ACCESS_KEY"], bareEnv["S3_SECRET_KEY"] = "unused", "unused-secret"
 	p := startBinary(t, bin, bareEnv)
 	_, api := p.waitReady()
+	for phase, note := range map[string]string{"searchAdapter": "no feature uses search", "fileStorage": "no feature uses file storage"} {
+		if len(p.logsMatching(map[string]any{"msg": "lifecycle", "phase": phase, "outcome": "skipped", "note": note})) != 1 {
+			t.Errorf("phase %s of the bare copy: want it skipped, %q", phase, note)
+		}
+	}
 	for path, want := range map[string]int{"/api/orders": http.StatusNotFound, "/api/slow?ms=1": http.StatusOK} {
 		resp, err := http.Get(api + path)
 		if err != nil {

@@ -12,6 +12,10 @@ import (
 // the boot goes on and the features that use it fall back (to SQL, say). Its
 // readiness check is shown but never fails readiness.
 func (a *app) searchAdapter(ctx context.Context, p *phaseRun) error {
+	if !anyUses(a.features, usesSearch) {
+		a.health.RegisterSkipped(componentSearch.String(), "no feature uses search")
+		return skipPhase("no feature uses search")
+	}
 	if a.cfg.Search.URL == "" {
 		a.health.RegisterSkipped(componentSearch.String(), "MEILI_URL is not set")
 		return skipPhase("MEILI_URL is not set")

@@ -19,6 +19,10 @@ const storageConns = 32
 
 func (a *app) fileStorage(ctx context.Context, p *phaseRun) error {
 	s := a.cfg.Storage
+	if !anyUses(a.features, usesStorage) {
+		a.health.RegisterSkipped(componentStorage.String(), "no feature uses file storage")
+		return skipPhase("no feature uses file storage")
+	}
 	if s.Endpoint == "" {
 		a.health.RegisterSkipped(componentStorage.String(), "S3_ENDPOINT is not set")
 		return skipPhase("S3_ENDPOINT is not set")
