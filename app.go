@@ -89,7 +89,7 @@ func (a *app) serverFailed(err error) {
 //   - a background component's goroutine (startStop: the poller, the hub, the
 //     heartbeats, the elector, the dashboard record): panicked below. The
 //     process is in an unknown state: a graceful shutdown, exit 1.
-//   - an HTTP handler (recoverPanics, api.go): that request is answered 500,
+//   - an HTTP handler (recoverPanics, middleware.go): that request is answered 500,
 //     the process serves on; a request's state dies with it.
 //   - a state-change observer (Lifecycle.notify): the transition goes on; a
 //     broken observer must not stop a drain.
