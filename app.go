@@ -16,9 +16,8 @@ import (
 )
 
 // The service's names, in one place: the Go code derives every name from
-// this block, which the template's scripts/new-service.sh sets for a new
-// service. Environment variables keep their literal KUMIKO_ names (greppable,
-// and the SPEC names them); that script rewrites the prefix as text.
+// this block. Environment variables keep their literal KUMIKO_ names
+// (greppable, and the SPEC names them).
 const (
 	serviceName     = "kumiko-lifecycle-demo" // binary, `version`, OTel service.name and tracer, Postgres/Redis client names
 	metricNamespace = "kumiko"                // every metric is kumiko_<name>

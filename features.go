@@ -64,7 +64,7 @@ func registerFeatures(cfg config) []feature {
 		eventsFeature(),
 		instanceFeature(),
 		drainDemoFeature(cfg.HTTP),
-		ordersFeature(cfg), // the orders demo: delete this line and orders*.go to remove it (or new-service.sh --bare)
+		ordersFeature(cfg), // the orders demo: delete this line and orders*.go to remove it
 	}
 }
 

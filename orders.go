@@ -39,9 +39,8 @@ const (
 // ordersFeature is the demo's business capability: orders taken over the
 // API, each announcing itself as order.created through the outbox, which
 // indexes it in Meilisearch and writes its sealed receipt to S3; a report
-// counts them on a cron. Without it (scripts/new-service.sh --bare, or
-// deleting orders*.go and its line in registerFeatures) the service is the
-// lifecycle alone.
+// counts them on a cron. Without it (orders*.go and its line in
+// registerFeatures deleted) the service is the lifecycle alone.
 func ordersFeature(cfg config) feature {
 	created := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: metricNamespace, Name: "orders_total", Help: "POST /api/orders outcomes: created, replayed, conflict.",

@@ -239,7 +239,7 @@ const (
 	// than the gap, and streams write as often as they get through.
 	wakePerStream = 5 * time.Microsecond
 	maxWakeGap    = 100 * time.Millisecond
-	// demo:begin (the orders demo's: new-service.sh --bare removes it)
+	// demo:begin (the orders demo's idempotency lease; scripts/new-service.sh --bare removes this block)
 
 	// idempotencyLease is the TTL of an order's idempotency marker
 	// (orders_idempotency.go): its request renews it, so a holder that dies
