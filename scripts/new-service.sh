@@ -17,10 +17,12 @@
 #   config file                              kumiko.config.yaml → orders-svc.config.yaml
 #   Dockerfile, compose, k8s, deploy/, scripts, tests and docs: every other spelling of the old name
 # and removes itself, its tests (newservice_test.go, scripts/bare-smoke.sh),
-# the template's picture of its dashboard (docs/dashboard.png, made by
-# scripts/dashboard-png.sh, which goes too) and the template's sections of the
-# README and .ci/run: a service is made from the template once. It prints
-# every file it changed.
+# this project's history (docs/measurements.md) and the template's picture of
+# its dashboard (docs/dashboard.png, made by scripts/dashboard-png.sh, which
+# goes too), with the lines that point at them: a service is made from the
+# template once. The copy gets a README of its own (what it is, its two
+# commands, its docs), no line naming this script, and a tidy go.mod. It
+# prints every file it changed.
 #
 # --bare also removes the orders demo: its files and folders (demo_files below: the
 # feature, its jobs, search and tests, and the scripts that only measure it),
@@ -103,20 +105,21 @@ perl -0pi -e '
 perl -pi -e 's/\b118152090970991\b/'"$((lock))"'/ and $found = 1; END { exit !$found }' \
   migrations/000014_outbox_partitioned_delivery.down.sql || die "the delivery lock in migration 14's down file not found"
 
-# 2. The template's own machinery goes: a service is made from it once. The
-# dashboard's picture shows the template's page: the copy gets none (its
-# README line is marked template:).
-remove=("$self" newservice_test.go scripts/bare-smoke.sh scripts/dashboard-png.sh docs/dashboard.png)
+# 2. The template's own machinery goes: a service is made from it once. Its
+# history and the picture of its dashboard (the template's name, its orders)
+# are not the copy's; the copy's README is written at the end.
+remove=("$self" newservice_test.go scripts/bare-smoke.sh scripts/dashboard-png.sh docs/dashboard.png docs/measurements.md)
 for f in "${remove[@]}"; do
   if $in_git; then git rm -q -- "$f"; else rm -f -- "$f"; fi
 done
-# The README's template section sits between these two markers.
-perl -0pi -e 's/\n<!-- template:begin -->.*?<!-- template:end -->\n//s' README.md
-# Elsewhere the template's own lines (.ci/run's bare-smoke stage, what the
-# docs say of it) sit between a line containing template:begin and one
-# containing template:end; a line holding both goes alone.
+# What points at them goes too. In Markdown, "<!-- template:begin -->"
+# through "<!-- template:end -->" is cut out where it stands (part of a
+# sentence, a link); elsewhere (.ci/run's bare-smoke stage, a table row) a
+# line containing template:begin through one containing template:end goes,
+# and a line holding both goes alone.
 while IFS= read -r f; do
   [ -f "$f" ] && grep -Iq 'template:begin' -- "$f" || continue
+  perl -0pi -e 's/<!-- template:begin -->.*?<!-- template:end -->//gs' -- "$f"
   perl -ni -e 'if (/template:begin/) { $skip = !/template:end/; next } if (/template:end/) { $skip = 0; next } print unless $skip' -- "$f"
 done < <(list_files)
 
@@ -165,6 +168,24 @@ if $bare; then
   remove+=("the orders demo (${#demo_files[@]} files and its marked blocks)")
 fi
 
+# 2c. What says this script does something says nothing in a copy: the
+# markers' notes that it removes a block, migration 14's note on its lock.
+# Settings that cite docs/measurements.md cite nothing (docs/configuration.md
+# is generated again below).
+while IFS= read -r f; do
+  [ -f "$f" ] && grep -Iq 'new-service\|measurements\.md' -- "$f" || continue
+  perl -0pi -e '
+    s{[;:] (?:scripts/)?new-service\.sh --bare removes (?:this block|it)\)}{)}g;
+    s{; scripts/new-service\.sh rewrites\n-- it\)}{)}g;
+    s{ \(docs/measurements\.md\)}{}g;
+  ' -- "$f"
+done < <(list_files)
+left=$(list_files | while IFS= read -r f; do # README.md: written again in step 5
+  [ -f "$f" ] && [ "$f" != README.md ] && grep -Iq 'new-service\|measurements\.md' -- "$f" && echo "$f"
+done; true)
+[ -z "$left" ] || die "these files still name new-service or docs/measurements.md (mark the lines template:begin/template:end, see step 2):
+$(grep -HIn 'new-service\|measurements\.md' $left)"
+
 # 3. Every other spelling, as text, longest first, in every text file.
 changed=()
 while IFS= read -r f; do
@@ -191,6 +212,73 @@ done < <(list_files)
 
 # Longer or shorter names shift gofmt's alignment of comments and map values.
 gofmt -l -w . >/dev/null || die "gofmt failed on the rewritten Go files"
+# 5. The copy's own README, in place of the template's: what the service is,
+# its two commands, what to watch (the template's drain walk-through, which
+# the copy's TestBootAndDrainNamesAreTheDocs holds to its code) and the docs
+# the copy kept.
+watch=$(perl -0ne 'print $1 if /(With `scripts\/demo\.sh` running, in a second terminal.*?`event=exit code=0`)/s' README.md)
+[ -n "$watch" ] || die "README.md: its drain walk-through (\"With \`scripts/demo.sh\` running … \`event=exit code=0\`\") not found (the template changed)"
+go_version=$(sed -n 's/^go \([0-9]*\.[0-9]*\).*/\1/p' go.mod)
+if $bare; then
+  has="It has no business feature yet: add yours in \`features.go\` ([docs/design.md](docs/design.md) says how)."
+else
+  has="An orders demo (\`orders*.go\` and its line in \`features.go\`) makes them visible."
+fi
+doc() { if [ -f "docs/$1" ]; then echo "- [docs/$1](docs/$1) — $2"; fi; }
+{
+  cat <<README
+# $name
+
+$name is a Go service that boots in 16 named phases, tells the truth on \`/health/live\` and
+\`/health/ready\`, drains on SIGTERM without losing a request or an event, and recovers from
+crashes. It has the lifecycle's building blocks: a transactional outbox with an event stream that
+survives a drain, River jobs with a fenced leader running the crons, and a cluster dashboard.
+$has
+
+## Run it, test it
+
+\`\`\`sh
+scripts/demo.sh    # PostgreSQL, Redis, two instances behind HAProxy on :8080; Ctrl+C drains them
+scripts/test.sh    # the whole suite, against real PostgreSQL, Redis and S3 servers it starts
+\`\`\`
+
+You need Go $go_version on Debian or Ubuntu; each script installs what else it runs when it is
+missing (\`scripts/install-deps.sh\`: apt when run as root, else it names the packages). Every
+script in \`scripts/\` prints its usage with \`--help\`; \`$name settings\` lists every setting.
+
+## What to watch
+
+Open \`http://localhost:8080/\` while \`scripts/demo.sh\` runs: both instances, their boot timelines,
+the events, the leader.
+
+$watch.
+
+## Docs
+
+README
+  doc operations.md "endpoints, states and health, the ops runbook, the drain step by step, Docker, compose, Kubernetes"
+  doc configuration.md "every setting (generated from \`config.go\`), migrations modes, the master key"
+  doc design.md "the boot phases, features and typed jobs, the outbox and the event stream, jobs, leader and cron"
+  doc testing.md "what each test holds, and how the suite stays green on a busy machine"
+  doc delivery.md "outbox delivery on every instance: partitions, the sequencer, a rolling deploy"
+  doc drain-reconnect.md "an event stream across a drain: goodbyes over a window, reconnect, replay"
+  doc rolling-deploy.md "a rolling deploy, step by step"
+  doc overload.md "past capacity: the adaptive concurrency limit and the cap on connections"
+  doc redis-keys.md "every Redis key under the service's prefix, and the advisory lock"
+} >README.md
+for f in docs/*.md; do
+  grep -qF "($f)" README.md || die "README.md: no line for $f (add it to the list in step 5)"
+done
+
+# 6. go.mod lists only what the copy uses (--bare: not chromedp, which only
+# the demo's browser test used). Tidy reads the go.mod of every module in
+# the build, the dependencies' tests' included: from the module cache when it
+# has them all, else through GOPROXY.
+echo "new-service: go mod tidy…"
+if ! GOFLAGS=-mod=mod GOPROXY=off go mod tidy >/dev/null 2>&1 && ! GOFLAGS=-mod=mod go mod tidy; then
+  echo "new-service: go mod tidy failed (offline?): run it in the copy once the module proxy is reachable" >&2
+fi
+
 # The example config file aligns its comments after the values, which the new
 # names made longer or shorter, and --bare removed the demo's settings: it and
 # docs/configuration.md's reference are generated again from the settings table.
@@ -201,7 +289,7 @@ go test -count=1 -run '^(TestExampleConfigFile|TestConfigReferenceInDocs)$' . -u
 
 echo "new-service: $old_module → $module, service $name"
 echo "  binary/version/OTel service.name $name, metrics ${snake}_*, env ${upper}_*, Redis ${name}:*, config ${name}.config.yaml, advisory lock $lock"
-echo "  removed: ${remove[*]} and the README's template section"
+echo "  removed: ${remove[*]}; wrote README.md"
 if $bare; then echo "  migrations: ${renumbered[*]}"; fi
 echo "  rewrote ${#changed[@]} files:"
 printf '    %s\n' "${changed[@]}"
