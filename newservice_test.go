@@ -131,6 +131,7 @@ func TestNewServiceScriptRenamesACopy(t *testing.T) {
 	if data, err := os.ReadFile(filepath.Join(dir, "go.mod")); err != nil || !strings.HasPrefix(string(data), "module "+module+"\n") {
 		t.Errorf("go.mod of the copy: %v\n%.200s", err, data)
 	}
+	copyIsItsOwn(t, dir, name)
 
 	// In the copy, offline (the module cache is shared): vet ./..., gofmt, the
 	// copy's own boot-to-ready + SIGTERM drain + exit 0 test (it also reads the
@@ -144,10 +145,14 @@ func TestNewServiceScriptRenamesACopy(t *testing.T) {
 	if out, err := gofmtCmd.CombinedOutput(); err != nil || len(out) > 0 {
 		t.Errorf("gofmt -l in the copy: %v\n%s", err, out)
 	}
-	const bootTest = "TestProcessSIGTERMDrain"
-	testOut := goCmd(5*time.Minute, "test", "-count=1", "-v", "-run", "^"+bootTest+"$", ".")
-	if !strings.Contains(testOut, "--- PASS: "+bootTest) {
-		t.Errorf("the copy's %s did not pass:\n%s", bootTest, testOut)
+	// TestBootAndDrainNamesAreTheDocs holds the copy's own README's drain
+	// walk-through to the copy's drain.
+	const bootTest, docsTest = "TestProcessSIGTERMDrain", "TestBootAndDrainNamesAreTheDocs"
+	testOut := goCmd(5*time.Minute, "test", "-count=1", "-v", "-run", "^("+bootTest+"|"+docsTest+")$", ".")
+	for _, test := range []string{bootTest, docsTest} {
+		if !strings.Contains(testOut, "--- PASS: "+test) {
+			t.Errorf("the copy's %s did not pass:\n%s", test, testOut)
+		}
 	}
 	bin := filepath.Join(t.TempDir(), name)
 	goCmd(3*time.Minute, "build", "-o", bin, ".")
@@ -335,6 +340,10 @@ func TestNewServiceScriptBare(t *testing.T) {
 			t.Errorf("%s of the bare copy: %v; still holds %q", f, err, gone)
 		}
 	}
+	copyIsItsOwn(t, dir, name)
+	if data, err := os.ReadFile(filepath.Join(dir, "go.mod")); err != nil || bytes.Contains(data, []byte("chromedp")) {
+		t.Errorf("go.mod of the bare copy: %v; still requires chromedp, which only the demo's browser test used:\n%s", err, data)
+	}
 	if hits := demoLeftovers(t, dir); len(hits) > 0 {
 		t.Errorf("the bare copy still names the orders demo (mark the lines with demo:begin/demo:end, or say it generically):\n%s",
 			strings.Join(hits, "\n"))
@@ -404,6 +413,74 @@ func TestNewServiceScriptBare(t *testing.T) {
 		if resp.StatusCode != want {
 			t.Errorf("the bare service: GET %s = %d, want %d", path, resp.StatusCode, want)
 		}
+	}
+}
+
+// copyIsItsOwn checks what makes the copy in dir read as service name, not
+// as the template: a README of its own, no word of the script that made it,
+// none of the template's history or pictures and no Markdown link to them
+// (or to anything else not in the copy), and a tidy go.mod.
+func copyIsItsOwn(t *testing.T, dir, name string) {
+	t.Helper()
+	readme, err := os.ReadFile(filepath.Join(dir, "README.md"))
+	if first, _, _ := strings.Cut(string(readme), "\n"); err != nil || first != "# "+name {
+		t.Errorf("the copy's README.md: %v; first line %q, want %q", err, first, "# "+name)
+	}
+	for _, f := range []string{"docs/measurements.md", "docs/dashboard.png"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); !os.IsNotExist(err) {
+			t.Errorf("%s is still in the copy (stat: %v)", f, err)
+		}
+	}
+	link := regexp.MustCompile(`\]\(([^)#\s]+)(#[^)\s]*)?\)`)
+	var mentions, dangling []string
+	err = filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && d.Name() == ".git" {
+			return filepath.SkipDir
+		}
+		if d.IsDir() {
+			return nil
+		}
+		rel, _ := filepath.Rel(dir, path)
+		data, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		for i, line := range strings.Split(string(data), "\n") {
+			if strings.Contains(line, "new-service") {
+				mentions = append(mentions, fmt.Sprintf("%s:%d: %.160s", rel, i+1, strings.TrimSpace(line)))
+			}
+			if filepath.Ext(path) != ".md" {
+				continue
+			}
+			for _, m := range link.FindAllStringSubmatch(line, -1) {
+				if strings.Contains(m[1], "://") || strings.HasPrefix(m[1], "mailto:") {
+					continue
+				}
+				if _, err := os.Stat(filepath.Join(filepath.Dir(path), m[1])); err != nil {
+					dangling = append(dangling, fmt.Sprintf("%s:%d: %s", rel, i+1, m[1]))
+				}
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("reading the copy: %v", err)
+	}
+	if len(mentions) > 0 {
+		t.Errorf("the copy still names the script that made it:\n%s", strings.Join(mentions, "\n"))
+	}
+	if len(dangling) > 0 {
+		t.Errorf("links in the copy to files it does not have:\n%s", strings.Join(dangling, "\n"))
+	}
+	// Offline: the script's tidy put what it read in the module cache.
+	tidy := exec.Command("go", "mod", "tidy", "-diff")
+	tidy.Dir = dir
+	tidy.Env = append(os.Environ(), "GOPROXY=off", "GOFLAGS=-mod=mod")
+	if out, err := tidy.CombinedOutput(); err != nil || len(out) > 0 {
+		t.Errorf("go mod tidy -diff in the copy: %v; go.mod or go.sum is not tidy:\n%s", err, out)
 	}
 }
 

@@ -212,6 +212,7 @@ done < <(list_files)
 
 # Longer or shorter names shift gofmt's alignment of comments and map values.
 gofmt -l -w . >/dev/null || die "gofmt failed on the rewritten Go files"
+
 # 5. The copy's own README, in place of the template's: what the service is,
 # its two commands, what to watch (the template's drain walk-through, which
 # the copy's TestBootAndDrainNamesAreTheDocs holds to its code) and the docs
