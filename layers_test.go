@@ -1,0 +1,185 @@
+package main
+
+import (
+	"cmp"
+	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+)
+
+// The package is flat, but it has layers. The composition root wires
+// everything, and its declarations (app, whose methods the phases are; the
+// feature types) are everyone's; the core (the lifecycle, its listeners, config, telemetry, the
+// database) names no building block and no demo; a building block names the
+// core, the blocks it is built on and no demo; the demo may name anything.
+// A block is its files: its name and the files that start with it.
+var (
+	layerRoot = []string{"main.go", "run.go", "app.go", "boot.go", "features.go"}
+	// blocks and what each is built on.
+	layerBlocks = map[string][]string{
+		"redis":     nil,
+		"heartbeat": {"redis"},
+		"jobs":      nil,
+		"backlog":   {"jobs"},
+		"outbox":    {"redis", "jobs", "heartbeat"},
+		"events":    {"outbox"},
+		"sse":       {"outbox", "redis"},
+		"leader":    {"redis", "jobs", "heartbeat"},
+		"cron":      {"leader", "jobs", "heartbeat"},
+		"dashboard": {"redis", "heartbeat", "sse"},
+		"search":    nil,
+		"storage":   nil,
+	}
+	layerDemo = "orders"
+)
+
+// layerOf names the layer of a file: "root", "core", "demo" or a block's name.
+func layerOf(file string) string {
+	name := strings.TrimSuffix(file, ".go")
+	switch {
+	case slices.Contains(layerRoot, file):
+		return "root"
+	case name == layerDemo || strings.HasPrefix(name, layerDemo+"_"):
+		return "demo"
+	}
+	for b := range layerBlocks {
+		if name == b || strings.HasPrefix(name, b+"_") {
+			return b
+		}
+	}
+	return "core"
+}
+
+// mayName reports whether a file of layer from may name a declaration of
+// layer to.
+func mayName(from, to string) bool {
+	switch {
+	case from == to, from == "root", from == "demo", to == "core", to == "root":
+		return true // the root's declarations (app, the feature types) are everyone's
+	case from == "core", to == "demo":
+		return false
+	}
+	return slices.Contains(layerBlocks[from], to)
+}
+
+// layerCrossings reads the package's non-test files and lists, as
+// "from.go → to.go: name", every package-level name a file uses that is
+// declared in a file of a layer it may not name. Identifiers are resolved
+// by the parser within their file (a local that shadows a package-level name
+// is not a use of it); selectors and composite-literal keys are fields or
+// methods, not package-level names, and are not counted.
+func layerCrossings(t *testing.T, dir string) []string {
+	t.Helper()
+	files, err := filepath.Glob(filepath.Join(dir, "*.go"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fset := token.NewFileSet()
+	declaredIn := map[string]string{}
+	parsed := map[string]*ast.File{}
+	for _, path := range files {
+		if strings.HasSuffix(path, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(fset, path, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		file := filepath.Base(path)
+		parsed[file] = f
+		for _, d := range f.Decls {
+			switch d := d.(type) {
+			case *ast.FuncDecl:
+				if d.Recv == nil {
+					declaredIn[d.Name.Name] = file
+				}
+			case *ast.GenDecl:
+				for _, s := range d.Specs {
+					switch s := s.(type) {
+					case *ast.TypeSpec:
+						declaredIn[s.Name.Name] = file
+					case *ast.ValueSpec:
+						for _, n := range s.Names {
+							declaredIn[n.Name] = file
+						}
+					}
+				}
+			}
+		}
+	}
+	seen := map[string]bool{}
+	for _, file := range slices.Sorted(maps.Keys(parsed)) {
+		from := layerOf(file)
+		skip := map[*ast.Ident]bool{}
+		ast.Inspect(parsed[file], func(n ast.Node) bool {
+			switch n := n.(type) {
+			case *ast.SelectorExpr:
+				skip[n.Sel] = true
+			case *ast.CompositeLit:
+				for _, e := range n.Elts {
+					if kv, ok := e.(*ast.KeyValueExpr); ok {
+						if id, ok := kv.Key.(*ast.Ident); ok {
+							skip[id] = true
+						}
+					}
+				}
+			case *ast.Ident:
+				decl, ok := declaredIn[n.Name]
+				if !ok || skip[n] || n.Obj != nil || decl == file {
+					return true
+				}
+				if to := layerOf(decl); !mayName(from, to) {
+					seen[fmt.Sprintf("%s → %s: %s", file, decl, n.Name)] = true
+				}
+			}
+			return true
+		})
+	}
+	return slices.SortedFunc(maps.Keys(seen), func(a, b string) int { return cmp.Compare(a, b) })
+}
+
+// layerDebt is where the crossings the layering has not yet removed are
+// listed, one per line. The test fails on a crossing that is not there (a
+// change must not add one) and says which listed ones are gone (delete
+// them: the list only shrinks).
+const layerDebt = "testdata/layer-crossings.txt"
+
+func TestNoFileCrossesALayer(t *testing.T) {
+	got := layerCrossings(t, ".")
+	if *update {
+		if err := os.WriteFile(layerDebt, []byte(strings.Join(got, "\n")+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	data, err := os.ReadFile(layerDebt)
+	if err != nil && !os.IsNotExist(err) {
+		t.Fatal(err)
+	}
+	listed := map[string]bool{}
+	for _, l := range strings.Split(strings.TrimSpace(string(data)), "\n") {
+		if l != "" {
+			listed[l] = true
+		}
+	}
+	byPair := map[string]int{}
+	for _, c := range got {
+		from, _, _ := strings.Cut(c, ":")
+		byPair[from]++
+		if !listed[c] {
+			t.Errorf("a new reference across layers (root, core, blocks, demo; see layerBlocks): %s", c)
+		}
+		delete(listed, c)
+	}
+	t.Logf("%d references across layers, between %d pairs of files", len(got), len(byPair))
+	if len(listed) > 0 {
+		t.Logf("gone, delete them from %s: %s", layerDebt, strings.Join(slices.Sorted(maps.Keys(listed)), "; "))
+	}
+}
