@@ -37,7 +37,9 @@ var (
 		"search":    nil,
 		"storage":   nil,
 	}
-	layerDemo = "orders"
+	layerDemos = []string{ // the demos' file prefixes; a copy without them has none
+		"orders", // demo:begin (this line) demo:end
+	}
 )
 
 // layerOf names the layer of a file: "root", "core", "demo" or a block's name.
@@ -46,8 +48,11 @@ func layerOf(file string) string {
 	switch {
 	case slices.Contains(layerRoot, file):
 		return "root"
-	case name == layerDemo || strings.HasPrefix(name, layerDemo+"_"):
-		return "demo"
+	}
+	for _, d := range layerDemos {
+		if name == d || strings.HasPrefix(name, d+"_") {
+			return "demo"
+		}
 	}
 	for b := range layerBlocks {
 		if name == b || strings.HasPrefix(name, b+"_") {
