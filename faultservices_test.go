@@ -117,7 +117,7 @@ func (pg *ownPostgres) Thaw() {
 // its children; pg.mu is held. A SIGSTOP takes hold when the postmaster next
 // leaves the kernel, so a fork in progress may still finish: the children
 // are listed once it is seen stopped, or a backend forked in that moment
-// would go on answering (seen on a busy machine: an order stored in 19 ms
+// would go on answering (seen on a busy machine: a write committed in 19 ms
 // while "frozen").
 func (pg *ownPostgres) signalAll(sig syscall.Signal) {
 	pid := pg.proc.cmd.Process.Pid
