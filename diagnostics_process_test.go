@@ -79,13 +79,12 @@ func stuckWith(dump, label, frame string) []string {
 	return found
 }
 
-// A request still running at KUMIKO_DRAIN_TIMEOUT is force-closed (exit 0,
-// as before) and named with its route and where it was blocked; the trace
-// has the drain's steps as regions; the dump shows the request's goroutine,
-// labelled with its route, in the handler.
-func TestDiagnosticsOfAForceClosedRequest(t *testing.T) {
-	t.Parallel()
-	env := fastEnv(t, "KUMIKO_FLIGHT_RECORDER=true", "KUMIKO_LINGER=0", "KUMIKO_DRAIN_TIMEOUT=300ms", "KUMIKO_SHUTDOWN_TIMEOUT=5s")
+// drainPastASlowRequest starts the service with env, holds a request in
+// flight past its KUMIKO_DRAIN_TIMEOUT and sends SIGTERM: the drain
+// force-closes the request and the process exits 0 (a force-closed request
+// is no failure).
+func drainPastASlowRequest(t *testing.T, env map[string]string) *proc {
+	t.Helper()
 	p := startProc(t, env)
 	ops, api := p.waitReady()
 	go func() {
@@ -98,6 +97,17 @@ func TestDiagnosticsOfAForceClosedRequest(t *testing.T) {
 	if code := p.wait(10 * time.Second); code != 0 {
 		t.Fatalf("exit code %d, want 0: a force-closed request is no failure", code)
 	}
+	return p
+}
+
+// A request still running at KUMIKO_DRAIN_TIMEOUT is force-closed (exit 0,
+// as before) and named with its route and where it was blocked; the trace
+// has the drain's steps as regions; the dump shows the request's goroutine,
+// labelled with its route, in the handler.
+func TestDiagnosticsOfAForceClosedRequest(t *testing.T) {
+	t.Parallel()
+	env := fastEnv(t, "KUMIKO_FLIGHT_RECORDER=true", "KUMIKO_LINGER=0", "KUMIKO_DRAIN_TIMEOUT=300ms", "KUMIKO_SHUTDOWN_TIMEOUT=5s")
+	p := drainPastASlowRequest(t, env)
 	d := readDiagnosed(t, p, env)
 	reason := firstReason(d.exit)
 	t.Logf("exit line: %s", reason)
@@ -128,18 +138,7 @@ func TestDiagnosticsOfAForceClosedRequest(t *testing.T) {
 func TestDiagnosticsWithoutTheRecorder(t *testing.T) {
 	t.Parallel()
 	env := fastEnv(t, "KUMIKO_LINGER=0", "KUMIKO_DRAIN_TIMEOUT=300ms", "KUMIKO_SHUTDOWN_TIMEOUT=5s")
-	p := startProc(t, env)
-	ops, api := p.waitReady()
-	go func() {
-		if resp, err := http.Get(api + "/api/slow?ms=30000"); err == nil {
-			resp.Body.Close()
-		}
-	}()
-	waitInFlight(t, ops)
-	p.signal(syscall.SIGTERM)
-	if code := p.wait(10 * time.Second); code != 0 {
-		t.Fatalf("exit code %d, want 0", code)
-	}
+	p := drainPastASlowRequest(t, env)
 	exit := p.waitLog(time.Second, map[string]any{"event": "exit"})
 	if reason, _ := exit["diagnostics"].(string); !strings.Contains(reason, "GET /api/slow, blocked in") {
 		t.Errorf("the exit line's reason %q does not name the request", reason)
