@@ -113,6 +113,7 @@ func crashPoints() (boot, drain []killPoint) {
 }
 
 func TestCrashMatrix(t *testing.T) {
+	t.Parallel()
 	began := time.Now()
 	m := newCrashMatrix(t)
 	boot, drain := crashPoints()

@@ -70,6 +70,7 @@ func TestHeartbeatLifecycle(t *testing.T) {
 // degraded (Redis is every instance's) and the instance stays ready; a worker
 // that stopped beating fails readiness.
 func TestHeartbeatWithoutRedisIsDegradedNotStale(t *testing.T) {
+	t.Parallel()
 	srv := testRedis(t)
 	rdb := redisClient(t, srv.URL)
 	ctx := context.Background()

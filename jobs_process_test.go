@@ -89,6 +89,7 @@ func assertNoDuplicateTicks(t *testing.T, pool *pgxpool.Pool) map[string]int {
 // 1. Two instances: exactly one leader, and every cron tick is enqueued and
 // run exactly once.
 func TestProcessOneLeaderEachTickOnce(t *testing.T) {
+	t.Parallel()
 	env := leaderEnv(t)
 	a, b := startAs(t, env, "a"), startAs(t, env, "b")
 	opsA, _ := a.waitReady()
@@ -110,6 +111,7 @@ func TestProcessOneLeaderEachTickOnce(t *testing.T) {
 
 // 2. kill -9 of the leader: the follower leads within the TTL plus one renew interval.
 func TestProcessLeaderKill9Failover(t *testing.T) {
+	t.Parallel()
 	env := leaderEnv(t)
 	a := startAs(t, env, "a")
 	becameLeader(a, 10*time.Second) // a leads: it started alone
@@ -161,6 +163,7 @@ func TestProcessLeaderSIGTERMHandsOver(t *testing.T) {
 // the old one wakes up. It cannot renew or delete the new leader's key, stops
 // scheduling, and no tick is enqueued twice.
 func TestProcessSplitBrainIsFenced(t *testing.T) {
+	t.Parallel()
 	env := leaderEnv(t)
 	a := startAs(t, env, "a")
 	becameLeader(a, 10*time.Second)
@@ -303,6 +306,7 @@ func TestProcessFencedLeaderStepsDownAndReacquires(t *testing.T) {
 // ones: a warning names them, and kumiko_cron_ticks_skipped_total{job} and
 // the dashboard count them. Every tick is enqueued once or counted skipped.
 func TestProcessMissedTicksRunOnceAndAreCounted(t *testing.T) {
+	t.Parallel()
 	env := leaderEnv(t) // purgeOutbox @every 1s
 	a := startAs(t, env, "a")
 	becameLeader(a, 10*time.Second)
@@ -436,6 +440,7 @@ func currentLeaderFromPool(t *testing.T, env map[string]string) (string, error) 
 // 6. SIGTERM while jobs run: a short one finishes within the drain; one longer
 // than the budget is stopped, stays durable, and runs again later.
 func TestProcessJobsAcrossADrain(t *testing.T) {
+	t.Parallel()
 	env := leaderEnv(t, "KUMIKO_LINGER=0", "KUMIKO_DRAIN_TIMEOUT=200ms", "KUMIKO_SHUTDOWN_TIMEOUT=1500ms")
 	a := startAs(t, env, "a")
 	opsA, _ := a.waitReady()
@@ -578,6 +583,7 @@ func TestProcessJobStrandedByAPostgresHangIsRescued(t *testing.T) {
 // 7. Heartbeats appear while running, are listed for every instance, are
 // removed on a clean stop and expire after kill -9.
 func TestProcessHeartbeatsAcrossInstances(t *testing.T) {
+	t.Parallel()
 	env := leaderEnv(t)
 	a, b := startAs(t, env, "a"), startAs(t, env, "b")
 	opsA, _ := a.waitReady()

@@ -150,6 +150,7 @@ func startTestBalancer(t *testing.T, backends []struct{ api, ops string }) *test
 // orders posted before, during and after the drain each shown once.
 // KUMIKO_SCREENSHOT=docs/dashboard.png saves the mid-drain screenshot there.
 func TestDashboardClusterDrainInHeadlessChromium(t *testing.T) {
+	t.Parallel()
 	shot := filepath.Join(t.TempDir(), "dashboard.png")
 	if path := os.Getenv("KUMIKO_SCREENSHOT"); path != "" {
 		shot, _ = filepath.Abs(path)

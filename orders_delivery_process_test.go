@@ -122,6 +122,7 @@ func assertAggregateOrderAndOnce(t *testing.T, pool *pgxpool.Pool) {
 // random and replaced under new ids: every event is delivered once, each
 // order's events in the order they were written, and nothing stays behind.
 func TestProcessPartitionedDeliveryUnderKills(t *testing.T) {
+	t.Parallel()
 	env := partitionEnv(t, time.Second)
 	pool := sharedPool(t, env)
 	live := map[string]*proc{}
@@ -194,6 +195,7 @@ func TestProcessPartitionedDeliveryUnderKills(t *testing.T) {
 // each instance, and one that moves from b to a with Last-Event-ID halfway,
 // see every event once, in delivery_seq order, which is strictly increasing.
 func TestProcessStreamsFollowPartitionedDelivery(t *testing.T) {
+	t.Parallel()
 	env := partitionEnv(t, 2*time.Second)
 	pool := sharedPool(t, env)
 	a, b := startInstance(t, env, "a"), startInstance(t, env, "b")
@@ -266,6 +268,7 @@ func TestProcessStreamsFollowPartitionedDelivery(t *testing.T) {
 // heartbeat TTL) and not before; a poller that drains hands its share over
 // at once.
 func TestProcessPartitionOwnerKilledMidBatch(t *testing.T) {
+	t.Parallel()
 	const ttl = 2 * time.Second
 	env := partitionEnv(t, ttl)
 	pool := sharedPool(t, env)

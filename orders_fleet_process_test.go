@@ -29,6 +29,7 @@ import (
 // KUMIKO_FLEET_FAULT (default 4s) sets each fault's length: 8s is the
 // operator's trial the issue describes. The figures are printed per fault.
 func TestProcessFleetFaultsThroughHAProxy(t *testing.T) {
+	t.Parallel()
 	haproxy, err := exec.LookPath("haproxy")
 	if err != nil {
 		if haproxy, err = "/usr/sbin/haproxy", nil; !isExecutable(haproxy) {

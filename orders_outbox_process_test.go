@@ -285,6 +285,7 @@ func TestProcessPoisonEventGoesDeadAlone(t *testing.T) {
 // 6. Redis down for a while (redisOutage): SSE clients on both instances
 // still receive every new order, from Postgres, on the hubs' poll tick.
 func TestProcessSSEFromPostgresWhileRedisIsDown(t *testing.T) {
+	t.Parallel()
 	redisServer := testRedis(t)
 	a, b, env := twoInstances(t, func(env map[string]string) { env["REDIS_URL"] = redisServer.URL })
 	_, apiA := a.waitReady()

@@ -354,6 +354,7 @@ func TestOrderIdempotencyWithoutRedis(t *testing.T) {
 // compare-and-delete of its own value only, so a first request whose lease
 // lapsed and was taken by a second request must not delete the second one's.
 func TestIdempotencyMarkerIsALeaseOfItsHolder(t *testing.T) {
+	t.Parallel()
 	rdb := redisClient(t, testRedis(t).URL)
 	ctx := context.Background()
 	marker := idempotencyKeyPrefix + "lease-test"

@@ -23,6 +23,7 @@ import (
 // SIGTERM → exit, and the failed requests by drain step and connection,
 // printed as a table of zeros when none failed.
 func TestRollingDeployLosesNoRequest(t *testing.T) {
+	t.Parallel()
 	for _, bin := range []string{"haproxy", "redis-server", "curl"} {
 		if _, err := exec.LookPath(bin); err != nil {
 			failOrSkip(t, &missingServiceError{what: bin, install: "scripts/install-deps.sh"})
@@ -194,6 +195,7 @@ func nothingLeft(t *testing.T, ports map[string]string, base string) {
 // 0 and their drain log on the terminal; then HAProxy, Redis and PostgreSQL
 // stop, the directory goes, the demo exits 0, and nothing is left.
 func TestDemoCtrlCDrainsTheInstancesFirst(t *testing.T) {
+	t.Parallel()
 	env, ports, base, dir := demoEnv(t)
 	demo := startDemo(t, env)
 	demo.waitLine(t, 3*time.Minute, "Ctrl+C drains both instances, then stops everything.") // the banner's last line
@@ -227,6 +229,7 @@ func TestDemoCtrlCDrainsTheInstancesFirst(t *testing.T) {
 // still ran the same command refused. Ctrl+C then drains both, the restarted
 // app1 included, and leaves nothing behind.
 func TestDemoStartBringsAnInstanceBack(t *testing.T) {
+	t.Parallel()
 	env, ports, base, dir := demoEnv(t)
 	demo := startDemo(t, env)
 	demo.waitLine(t, 3*time.Minute, "Ctrl+C drains both instances, then stops everything.")
@@ -359,6 +362,7 @@ func TestDemoCtrlCBeforeTheBanner(t *testing.T) {
 // load of 12-15 on two cores): 10 s is room for a busier one, and far from
 // the old wait.
 func TestDemoStopsWhenAnInstanceExitsWhileBooting(t *testing.T) {
+	t.Parallel()
 	env, ports, base, dir := demoEnv(t)
 	demo := startDemo(t, append(env, "KUMIKO_LINGER=banana"))
 	demo.waitLine(t, 3*time.Minute, "booting app1 and app2")

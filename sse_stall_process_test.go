@@ -90,6 +90,7 @@ func waitStreams(t testing.TB, ops string, n int) {
 // the drain: SIGTERM still exits 0 well within the shutdown budget, every
 // release hook runs, the leader key is released, and no stream is left open.
 func TestProcessStalledStreamsDrain(t *testing.T) {
+	t.Parallel()
 	const readers = 20
 	env := fastEnv(t,
 		"KUMIKO_SSE_WRITE_TIMEOUT=60s", // longer than the drain: the drain itself must end them
@@ -141,6 +142,7 @@ func TestProcessStalledStreamsDrain(t *testing.T) {
 // readers, a 4th stream is refused, even after the hub gave up on the stalled
 // ones for falling behind, until their handlers are gone.
 func TestProcessStalledStreamHoldsItsSlotUntilDropped(t *testing.T) {
+	t.Parallel()
 	env := fastEnv(t,
 		"KUMIKO_SSE_MAX_STREAMS=3",
 		"KUMIKO_SSE_WRITE_TIMEOUT=6s", // long enough that the first probes come before it
