@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"math/rand/v2"
@@ -109,56 +110,57 @@ func TestMigrationsAreAllOrNothing(t *testing.T) {
 // clean at the last committed version, applies the rest and becomes ready.
 func TestMigrationsWaitingInstanceFinishesTheApply(t *testing.T) {
 	t.Parallel()
-	tp := testToxiproxy(t)
 	for _, sig := range []syscall.Signal{syscall.SIGKILL, syscall.SIGTERM} {
 		t.Run(sig.String(), func(t *testing.T) {
 			env := fastEnv(t)
 			direct := env["DATABASE_URL"]
-			u, _ := url.Parse(direct)
-			proxy := proxyTo(t, tp, "pg-"+sig.String(), u.Host)
-			// Slow enough that the hold below lands mid-apply, not after it.
-			if _, err := proxy.AddToxic("latency", "latency", "downstream", 1, toxiproxy.Attributes{"latency": 10}); err != nil {
+			latest := shippedLatest(t)
+			// The schema at version 2, as an earlier release left it (the
+			// outbox's table exists).
+			pool := sharedPool(t, env)
+			mg, err := newMigrator(pool, time.Minute)
+			if err != nil {
 				t.Fatal(err)
 			}
-			env["DATABASE_URL"] = withHost(t, direct, proxy.Listen)
-			latest := shippedLatest(t)
-
-			envA := maps.Clone(env)
-			envA["KUMIKO_INSTANCE_ID"] = "applier"
-			a := startProc(t, envA)
-			waitFor(t, 20*time.Second, "the first instance's apply at version 2", func() bool {
-				v, _ := schemaVersion(t, direct)
-				return v >= 2
-			})
-			// Hold the apply there: each migration records its version in
-			// its own transaction (TRUNCATE, then the row), which waits for
-			// this lock. However slow the machine, the first instance then
-			// still applies, holding the migration lock, while the second boots.
-			pool := sharedPool(t, map[string]string{"DATABASE_URL": direct})
+			err = errors.Join(mg.m.Migrate(2), mg.Close())
+			if err != nil {
+				t.Fatalf("migrating the test database to version 2: %v", err)
+			}
+			// Hold the apply in a later migration, the first that alters the
+			// outbox's table: its ALTER waits for this lock. However fast or
+			// slow the machine, the first instance is then mid-apply, with
+			// the migrations before it committed, holding the migration lock
+			// while the second boots.
 			hold, err := pool.Begin(context.Background())
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer hold.Rollback(context.Background())
-			if _, err := hold.Exec(context.Background(), `LOCK TABLE `+migrationsTable+` IN ACCESS SHARE MODE`); err != nil {
+			if _, err := hold.Exec(context.Background(), `LOCK TABLE outbox_events IN ACCESS SHARE MODE`); err != nil {
 				t.Fatal(err)
 			}
+			envA := maps.Clone(env)
+			envA["KUMIKO_INSTANCE_ID"] = "applier"
+			a := startProc(t, envA)
+			waitingOn := func(what, query string) {
+				waitFor(t, 20*time.Second, what, func() bool {
+					var waiting bool
+					pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT FROM pg_stat_activity
+						WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE $1)`, query).Scan(&waiting)
+					return waiting
+				})
+			}
+			waitingOn("the first instance's apply waiting to alter the outbox", "%ALTER TABLE outbox_events%")
 			envB := maps.Clone(env)
 			envB["KUMIKO_INSTANCE_ID"] = "waiter"
 			b := startProc(t, envB)
-			waitFor(t, 20*time.Second, "the second instance waiting on the migration lock", func() bool {
-				var waiting bool
-				pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT FROM pg_stat_activity
-					WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%pg_advisory_lock%')`).Scan(&waiting)
-				return waiting
-			})
+			waitingOn("the second instance waiting on the migration lock", "%pg_advisory_lock%")
 			a.signal(sig)
 			if code := a.wait(20 * time.Second); sig == syscall.SIGTERM && code != 0 {
 				t.Fatalf("the first instance exited %d on SIGTERM during its apply, want 0", code)
 			}
+			stoppedAt, _ := schemaVersion(t, direct) // before the waiting one can go on
 			hold.Rollback(context.Background())
-			stoppedAt, _ := schemaVersion(t, direct)
-
 			b.waitReady()
 			if v, dirty := schemaVersion(t, direct); v != latest || dirty {
 				t.Fatalf("after the waiting instance's boot: version %d, dirty %t; want %d clean", v, dirty, latest)
