@@ -9,8 +9,10 @@
 # fails), and its scripts/demo.sh until both instances are ready behind
 # HAProxy: /api/slow answers through the load balancer, /api/orders is 404,
 # and Ctrl+C (SIGINT to the demo's process group) drains both with exit 0.
-# What the copy may no longer contain (the demo's words, its migrations) is
-# checked by TestNewServiceScriptBare in newservice_test.go, in the suite.
+# First it runs the script's own tests (newservice_test.go, which
+# scripts/test.sh skips: they compile two copies, most of the suite's CPU):
+# a renamed copy builds, passes its drain test and runs beside the template;
+# a bare copy keeps no word of the demo, no unreachable function, and boots.
 #
 # Prints each step's time; exits 1 at the first failure, after what it saw.
 # The copy is removed after a clean run and kept after a failure.
@@ -48,6 +50,10 @@ finish() {
   exit "$status"
 }
 trap finish EXIT
+
+step "new-service.sh's tests (newservice_test.go)"
+go test -count=1 -timeout 20m -run '^TestNewServiceScript' . >"$WORK/newservice-tests.log" 2>&1 ||
+  { tail -n 200 "$WORK/newservice-tests.log" >&2; fail "go test -run '^TestNewServiceScript' . (whole log: $WORK/newservice-tests.log)"; }
 
 step "clone and new-service.sh --bare"
 git clone -q . "$COPY" || fail "git clone of $PWD"
