@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/labstack/echo/v4"
-	"github.com/redis/go-redis/v9"
 )
 
 // The ops port's /admin tree (behind the admin token), pprof beside it,
@@ -44,12 +43,10 @@ func adminStarting(g *echo.Group) {
 	})
 }
 
-// adminRoutes is the whole tree: the cluster's workers, manual jobs, and the
-// features' admin routes.
-func adminRoutes(rdb *redis.Client, j *jobs, features []feature, d routeDeps) func(*echo.Group) {
+// adminRoutes is the whole tree: the features' admin routes (the cluster's
+// workers, manual jobs, …).
+func adminRoutes(features []feature, d routeDeps) func(*echo.Group) {
 	return func(g *echo.Group) {
-		g.Match(getHead(), "/workers", handleWorkers(rdb))
-		g.POST("/jobs/:name/run", handleRunJob(j))
 		for _, f := range features {
 			for _, r := range f.routes {
 				if r.admin {
@@ -78,18 +75,6 @@ func addPprofRoutes(g *echo.Group) {
 
 // ---------------------------------------------------------------------------
 // Handlers
-
-// handleWorkers is GET /admin/workers: the live workers of every instance
-// (their heartbeat keys) and the current leader.
-func handleWorkers(rdb *redis.Client) echo.HandlerFunc {
-	return func(c echo.Context) error {
-		cl, err := readCluster(c.Request().Context(), rdb)
-		if err != nil {
-			return err
-		}
-		return c.JSON(http.StatusOK, cl)
-	}
-}
 
 // handleTimeline is GET /admin/lifecycle: the boot timeline and the state.
 func handleTimeline(lc *Lifecycle) echo.HandlerFunc {

@@ -34,10 +34,11 @@ func addOpsRoutes(e *echo.Echo, rd *readiness, m *metrics, hc httpConfig, adminT
 // get through). Past the instance's capacity the feature routes that are not
 // long-running are shed by the concurrency limit (admission.go), after the
 // per-IP limit so one client's excess never takes the others' room; health,
-// the page and the streams never are. Readiness here tells status only:
-// details are on the ops port.
+// static pages and the streams never are. Around every request that is not a
+// stream come the blocks' own middleware (around: the jobs backlog's
+// warning). Readiness here tells status only: details are on the ops port.
 func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature, d routeDeps, hc httpConfig,
-	admission *concurrencyLimiter, backlog *backlogWatch, inFlight *atomic.Int64, rejecting *atomic.Bool, tracer trace.Tracer) {
+	admission *concurrencyLimiter, around []echo.MiddlewareFunc, inFlight *atomic.Int64, rejecting *atomic.Bool, tracer trace.Tracer) {
 	m := d.metrics
 	var limit []echo.MiddlewareFunc
 	if hc.RateLimit > 0 {
@@ -49,11 +50,16 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 	}
 	e.Match(getHead(), "/health", handleLive())
 	e.Match(getHead(), "/health/ready", handleReady(rd, false))
-	e.Match(getHead(), "/", handleDashboard(), limit...)
 	for _, f := range features {
 		for _, r := range f.routes {
 			if r.admin {
 				continue // on the ops port: adminRoutes
+			}
+			if r.static {
+				for _, method := range r.methods() {
+					e.Add(method, r.path, r.handler(d.usedBy(f)), limit...)
+				}
+				continue
 			}
 			chain := []echo.MiddlewareFunc{labelRequests(), admitWhenServing(lc, rejecting)}
 			if !r.streaming {
@@ -65,7 +71,8 @@ func addAPIRoutes(e *echo.Echo, lc *Lifecycle, rd *readiness, features []feature
 				chain = append(chain, admit...)
 			}
 			if !r.streaming {
-				chain = append(chain, bodyReadDeadline(hc.ReadTimeout), trackInFlight(inFlight, m), traceRequests(tracer), backlog.sayWhenDelayed())
+				chain = append(chain, bodyReadDeadline(hc.ReadTimeout), trackInFlight(inFlight, m), traceRequests(tracer))
+				chain = append(chain, around...)
 			}
 			h := r.handler(d.usedBy(f))
 			for _, method := range r.methods() {

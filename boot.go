@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/labstack/echo/v4"
 	"github.com/sirupsen/logrus"
 )
 
@@ -202,6 +203,27 @@ func (a *app) bootValidation(ctx context.Context, p *phaseRun) error {
 	return validateFeatures(a.features, a.masterKey != nil)
 }
 
+// redisConnect is phase 10: the Redis client, then what this instance keeps
+// in Redis: its dashboard record and its workers' heartbeat keys.
+func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
+	if err := a.redisClient(ctx, p); err != nil {
+		return err
+	}
+	// The dashboard's status record; its hook runs after the heartbeats' and before the client's.
+	a.status = newStatusPublisher(a.redis, a.cfg.InstanceID, a.lc, a.metrics, a.log, a.panicked)
+	if err := a.status.Start(ctx); err != nil {
+		return err
+	}
+	// Both cleanups are best effort, each bounded on its own: the record and
+	// the heartbeat keys expire by themselves when Redis does not answer.
+	a.lc.RegisterShutdownHook(componentClusterStatus, bestEffort(within(a.timeouts.redisRelease, a.status.Stop)))
+	// Heartbeat keys live in Redis. Their hook is registered after the client's,
+	// so LIFO deletes them after the workers stop and before the client closes.
+	a.heartbeats = newHeartbeats(a.redis, a.cfg.InstanceID, a.cfg.Lifecycle.Heartbeat.TTL, a.timeouts.backgroundCall, a.metrics, a.health)
+	a.lc.RegisterShutdownHook(componentHeartbeats, bestEffort(within(a.timeouts.redisRelease, a.heartbeats.clear)))
+	return nil
+}
+
 // outboxPoller is phase 13. The River client is created first, not yet
 // started, because delivering an event inserts the jobs it triggers; its stop
 // hook is registered before the poller's, so the drain stops the poller
@@ -224,7 +246,7 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	beat := a.heartbeats.RegisterHeartbeat(componentOutboxPoller)
 	poller := newOutboxPoller(outboxPollerDeps{db: a.db, redis: a.redis, cfg: a.cfg.Outbox, beat: beat,
 		beatEvery: a.cfg.Lifecycle.Heartbeat.Interval, instanceID: a.cfg.InstanceID,
-		memberTTL: a.cfg.Lifecycle.Heartbeat.TTL, redisCall: a.timeouts.backgroundCall, insertJobs: j.insertForEvents, log: a.log, metrics: a.metrics, onPanic: a.panicked})
+		memberTTL: a.cfg.Lifecycle.Heartbeat.TTL, redisCall: a.timeouts.backgroundCall, insertJobs: insertTriggeredJobs(j), log: a.log, metrics: a.metrics, onPanic: a.panicked})
 	if err := a.retry(ctx, p, componentOutboxPoller, 3, poller.Start); err != nil {
 		return err
 	}
@@ -291,9 +313,10 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	e := newEcho(a.log, a.metrics, componentAPI)
 	e.IPExtractor = clientIPExtractor(a.cfg.HTTP.TrustedProxies)
 	deps := routeDeps{cfg: a.cfg, timeouts: a.timeouts, lc: a.lc, metrics: a.metrics, log: a.log,
-		db: a.db, redis: a.redis, search: a.search, masterKey: a.masterKey, sse: hub}
+		db: a.db, redis: a.redis, search: a.search, masterKey: a.masterKey, sse: hub, jobs: a.jobs}
 	a.admission = newAdmission(a.cfg.HTTP, a.metrics)
-	addAPIRoutes(e, a.lc, a.health, a.features, deps, a.cfg.HTTP, a.admission, a.backlog, &a.inFlight, &a.rejecting, a.tracing.tracer)
+	around := []echo.MiddlewareFunc{a.backlog.sayWhenDelayed()}
+	addAPIRoutes(e, a.lc, a.health, a.features, deps, a.cfg.HTTP, a.admission, around, &a.inFlight, &a.rejecting, a.tracing.tracer)
 	a.metrics.apiConnsMax.Set(float64(a.cfg.HTTP.MaxConns))
 	api, err := listenHTTP(ctx, componentAPI, a.cfg.HTTPAddr, closeAfterDraining(a.lc, e), a.cfg.HTTP,
 		apiConnCap(a.cfg.HTTP, a.metrics), a.log, a.serverFailed)
@@ -304,7 +327,7 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	api.registerConnectionsCheck(a.health)
 
 	a.admin.mount(newEcho(a.log, a.metrics, componentOps), a.cfg.AdminToken, a.timeouts.request, a.lc, a.diag,
-		adminRoutes(a.redis, a.jobs, a.features, deps))
+		adminRoutes(a.features, deps))
 	return nil
 }
 

@@ -51,14 +51,6 @@ func cronsOf(features []feature) []scheduledJob {
 	return crons
 }
 
-// fencedError means a newer leader's token is in the database: this leader
-// must not act, and steps down to acquire a new token.
-type fencedError struct{ token, fence int64 }
-
-func (e *fencedError) Error() string {
-	return fmt.Sprintf("fenced: token %d is older than the fence %d of a newer leader", e.token, e.fence)
-}
-
 // fence is elector.fence: the newest token any leader raised the fence to.
 func (s *scheduler) fence(ctx context.Context) (int64, error) {
 	var token int64

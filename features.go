@@ -54,6 +54,7 @@ const (
 	usesStorage              // the S3 client and its bucket; nil too when not configured
 	usesMasterKey            // the key that seals and signs (secrets.go)
 	usesStreams              // the event stream hub
+	usesJobs                 // the jobs client (River)
 )
 
 // registerFeatures is phase 5: every feature of the process, in one list.
@@ -63,6 +64,7 @@ func registerFeatures(cfg config) []feature {
 		outboxRetentionFeature(cfg.Outbox),
 		eventsFeature(),
 		instanceFeature(),
+		jobsFeature(),
 		drainDemoFeature(cfg.HTTP),
 		ordersFeature(cfg), // the orders demo: delete this line and orders*.go to remove it
 	}
@@ -74,13 +76,15 @@ func registerFeatures(cfg config) []feature {
 // (a stream, or a request that waits by design, like /api/slow) is not
 // admission-controlled: its duration says nothing about the instance's load
 // (admission.go). An admin route is served on the ops port under /admin,
-// behind the admin token.
+// behind the admin token. A static route (a page) costs no dependency: it is
+// rate-limited and nothing else, and served in every state.
 type route struct {
 	method, path string
 	handler      func(routeDeps) echo.HandlerFunc
 	streaming    bool
 	longRunning  bool
 	admin        bool
+	static       bool
 }
 
 // routeDeps is what route handlers are built from, in phase 15: the
@@ -97,13 +101,14 @@ type routeDeps struct {
 	search    meilisearch.ServiceManager // usesSearch
 	masterKey *masterKey                 // usesMasterKey
 	sse       *sseHub                    // usesStreams
+	jobs      *jobs                      // usesJobs
 }
 
 // usedBy is d with only what f uses of the dependencies.
 func (d routeDeps) usedBy(f feature) routeDeps {
 	return routeDeps{cfg: d.cfg, timeouts: d.timeouts, lc: d.lc, metrics: d.metrics, log: d.log,
 		db: given(f, usesDB, d.db), redis: given(f, usesRedis, d.redis), search: given(f, usesSearch, d.search),
-		masterKey: given(f, usesMasterKey, d.masterKey), sse: given(f, usesStreams, d.sse)}
+		masterKey: given(f, usesMasterKey, d.masterKey), sse: given(f, usesStreams, d.sse), jobs: given(f, usesJobs, d.jobs)}
 }
 
 // anyUses reports whether some feature uses dep: a dependency nothing uses
@@ -284,8 +289,11 @@ func validateFeatures(features []feature, haveMasterKey bool) error {
 		}
 		for _, r := range f.routes {
 			prefix := "/api/"
-			if r.admin {
+			switch {
+			case r.admin:
 				prefix = "/admin/"
+			case r.static:
+				prefix = "/" // a page, anywhere on the API port
 			}
 			routeKey(f.name, r.method+" "+r.path)
 			if !strings.HasPrefix(r.path, prefix) {

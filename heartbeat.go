@@ -2,9 +2,7 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -210,70 +208,6 @@ type liveWorker struct {
 	Worker     string `json:"worker"`
 	InstanceID string `json:"instanceId"`
 	AgeSec     int64  `json:"ageSec"`
-}
-
-// cluster is what any instance can see of all of them: the live workers, the
-// leader and each instance's published status (dashboard.go).
-type cluster struct {
-	Workers   []liveWorker     `json:"workers"`
-	Leader    string           `json:"leader"`
-	Instances []instanceStatus `json:"instances"`
-}
-
-// readCluster reads the live workers and the current leader from Redis
-// (for /admin/workers and the dashboard).
-func readCluster(ctx context.Context, rdb *redis.Client) (cluster, error) {
-	workers, err := listLiveWorkers(ctx, rdb)
-	if err != nil {
-		return cluster{}, err
-	}
-	leader, err := currentLeader(ctx, rdb)
-	if err != nil {
-		return cluster{}, err
-	}
-	instances, err := listInstances(ctx, rdb)
-	if err != nil {
-		return cluster{}, err
-	}
-	return cluster{Workers: workers, Leader: leader, Instances: instances}, nil
-}
-
-// listInstances reads the status records of at most maxClusterInstances
-// instances, ordered by instance id: the ids from the index (those whose
-// record has not expired), then one MGET. A record that does not parse is
-// skipped: the page shows the others.
-func listInstances(ctx context.Context, rdb *redis.Client) ([]instanceStatus, error) {
-	// Expiries in the index are Redis's clock (statusScript): compared with it too.
-	now, err := rdb.Time(ctx).Result()
-	if err != nil {
-		return nil, fmt.Errorf("reading the Redis clock: %w", err)
-	}
-	ids, err := rdb.ZRangeByScore(ctx, statusIndexKey, &redis.ZRangeBy{
-		Min: strconv.FormatInt(now.UnixMilli(), 10), Max: "+inf", Count: maxClusterInstances}).Result()
-	if err != nil {
-		return nil, fmt.Errorf("reading the instance status index: %w", err)
-	}
-	keys := make([]string, len(ids))
-	for i, id := range ids {
-		keys[i] = statusKeyPrefix + id
-	}
-	instances := []instanceStatus{}
-	if len(keys) == 0 {
-		return instances, nil
-	}
-	values, err := rdb.MGet(ctx, keys...).Result()
-	if err != nil {
-		return nil, fmt.Errorf("reading instance status keys: %w", err)
-	}
-	for _, v := range values {
-		raw, ok := v.(string) // nil: expired between the index read and MGET
-		var st instanceStatus
-		if ok && json.Unmarshal([]byte(raw), &st) == nil {
-			instances = append(instances, st)
-		}
-	}
-	sort.Slice(instances, func(i, j int) bool { return instances[i].InstanceID < instances[j].InstanceID })
-	return instances, nil
 }
 
 // listLiveWorkers reads every heartbeat key: the workers alive across all

@@ -191,43 +191,6 @@ func insertIntoKindQueue(ctx context.Context, params []*rivertype.JobInsertParam
 	return doInner(ctx)
 }
 
-// insertForEvents inserts the jobs the delivered events trigger, in the
-// delivery's transaction: an event is marked delivered exactly when its jobs
-// exist. Each subscription gets one job for its events of the batch; the job
-// continues the trace of the first and links the others (deliverySpans).
-func (j *jobs) insertForEvents(ctx context.Context, tx pgx.Tx, events []outboxEvent) error {
-	byType := map[string][]outboxEvent{}
-	var types []string // in the order of their first event, for a stable insert order
-	for _, ev := range events {
-		if len(j.subscribers[ev.Type]) == 0 {
-			continue
-		}
-		if byType[ev.Type] == nil {
-			types = append(types, ev.Type)
-		}
-		byType[ev.Type] = append(byType[ev.Type], ev)
-	}
-	var params []river.InsertManyParams
-	for _, typ := range types {
-		evs := byType[typ]
-		meta := deliverySpans(ctx, j.tracer, evs)
-		for _, s := range j.subscribers[typ] {
-			args, err := s.args(evs)
-			if err != nil {
-				return fmt.Errorf("%d %s events → job %s: %w", len(evs), typ, s.kind, err)
-			}
-			params = append(params, river.InsertManyParams{Args: args, InsertOpts: &river.InsertOpts{Metadata: meta}})
-		}
-	}
-	if len(params) == 0 {
-		return nil
-	}
-	if _, err := j.client.InsertManyTx(ctx, tx, params); err != nil {
-		return fmt.Errorf("inserting %d jobs: %w", len(params), err)
-	}
-	return nil
-}
-
 // Start starts working jobs (phase 14). River keeps running until the
 // context given to Start ends; the phase's context ends with the phase, so
 // River gets a detached one and lives until Stop.
@@ -264,6 +227,13 @@ func (j *jobs) stopClient(ctx context.Context) error {
 	}
 	j.log.Warn("the shutdown budget ended before the soft stop did: running jobs were cancelled; River will run them again")
 	return nil
+}
+
+// jobsFeature is POST /admin/jobs/:name/run, the operator's way to run a job now.
+func jobsFeature() feature {
+	return feature{name: "jobs", uses: []dependency{usesJobs}, routes: []route{
+		{method: http.MethodPost, path: "/admin/jobs/:name/run", admin: true, handler: func(d routeDeps) echo.HandlerFunc { return handleRunJob(d.jobs) }},
+	}}
 }
 
 // handleRunJob is POST /admin/jobs/:name/run: run a job by hand, now, on

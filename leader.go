@@ -372,3 +372,11 @@ func currentLeader(ctx context.Context, rdb *redis.Client) (string, error) {
 	id, _, _ := strings.Cut(v, ":")
 	return id, err
 }
+
+// fencedError means a newer leader's token is in the database: this leader
+// must not act, and steps down to acquire a new token.
+type fencedError struct{ token, fence int64 }
+
+func (e *fencedError) Error() string {
+	return fmt.Sprintf("fenced: token %d is older than the fence %d of a newer leader", e.token, e.fence)
+}

@@ -12,7 +12,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgxlisten"
 	"github.com/redis/go-redis/v9"
+	"github.com/riverqueue/river"
 	"github.com/sirupsen/logrus"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 )
 
 const (
@@ -698,4 +701,62 @@ func (p *outboxPoller) updatePending(ctx context.Context) error {
 	}
 	p.metrics.outboxPending.Set(float64(n))
 	return nil
+}
+
+// insertTriggeredJobs inserts the jobs the delivered events trigger, in the
+// delivery's transaction: an event is marked delivered exactly when its jobs
+// exist. Each subscription gets one job for its events of the batch; the job
+// continues the trace of the first and links the others (deliverySpans).
+func insertTriggeredJobs(j *jobs) func(ctx context.Context, tx pgx.Tx, events []outboxEvent) error {
+	return func(ctx context.Context, tx pgx.Tx, events []outboxEvent) error {
+		byType := map[string][]outboxEvent{}
+		var types []string // in the order of their first event, for a stable insert order
+		for _, ev := range events {
+			if len(j.subscribers[ev.Type]) == 0 {
+				continue
+			}
+			if byType[ev.Type] == nil {
+				types = append(types, ev.Type)
+			}
+			byType[ev.Type] = append(byType[ev.Type], ev)
+		}
+		var params []river.InsertManyParams
+		for _, typ := range types {
+			evs := byType[typ]
+			meta := deliverySpans(ctx, j.tracer, evs)
+			for _, s := range j.subscribers[typ] {
+				args, err := s.args(evs)
+				if err != nil {
+					return fmt.Errorf("%d %s events → job %s: %w", len(evs), typ, s.kind, err)
+				}
+				params = append(params, river.InsertManyParams{Args: args, InsertOpts: &river.InsertOpts{Metadata: meta}})
+			}
+		}
+		if len(params) == 0 {
+			return nil
+		}
+		if _, err := j.client.InsertManyTx(ctx, tx, params); err != nil {
+			return fmt.Errorf("inserting %d jobs: %w", len(params), err)
+		}
+		return nil
+	}
+}
+
+// deliverySpans marks each event's delivery inside its writer's trace and
+// returns the metadata that carries them into the job the events trigger.
+func deliverySpans(ctx context.Context, tracer trace.Tracer, evs []outboxEvent) []byte {
+	var t jobTrace
+	for i, ev := range evs {
+		ctx, span := tracer.Start(withTraceparent(ctx, ev.Traceparent), "outbox.deliver "+ev.Type,
+			trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attribute.Int64("outbox.event_id", ev.ID)))
+		switch {
+		case i == 0:
+			t.Traceparent = traceparentOf(ctx)
+		case len(t.Links) < jobTraceLinks:
+			t.Links = append(t.Links, traceparentOf(ctx))
+		}
+		span.End()
+	}
+	meta, _ := json.Marshal(t)
+	return meta
 }

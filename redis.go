@@ -35,8 +35,9 @@ var compareAndDelete = redis.NewScript(`if redis.call("GET", KEYS[1]) == ARGV[1]
 end
 return 0`)
 
-// redisConnect is phase 10: the go-redis client, retried with the same backoff as the DB.
-func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
+// redisClient is phase 10's first step (boot.go): the go-redis client,
+// retried with the same backoff as the DB.
+func (a *app) redisClient(ctx context.Context, p *phaseRun) error {
 	opts, err := redis.ParseURL(a.cfg.RedisURL)
 	if err != nil {
 		return fmt.Errorf("parsing REDIS_URL: %w", err)
@@ -64,18 +65,6 @@ func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
 	a.health.RegisterReadinessCheck(componentRedis.String(), false, func(ctx context.Context) checkResult {
 		return timedCheck(ctx, ping)
 	})
-	// The dashboard's status record; its hook runs after the heartbeats' and before the client's.
-	a.status = newStatusPublisher(client, a.cfg.InstanceID, a.lc, a.metrics, a.log, a.panicked)
-	if err := a.status.Start(ctx); err != nil {
-		return err
-	}
-	// Both cleanups are best effort, each bounded on its own: the record and
-	// the heartbeat keys expire by themselves when Redis does not answer.
-	a.lc.RegisterShutdownHook(componentClusterStatus, bestEffort(within(a.timeouts.redisRelease, a.status.Stop)))
-	// Heartbeat keys live in Redis. Their hook is registered after the client's,
-	// so LIFO deletes them after the workers stop and before the client closes.
-	a.heartbeats = newHeartbeats(client, a.cfg.InstanceID, a.cfg.Lifecycle.Heartbeat.TTL, a.timeouts.backgroundCall, a.metrics, a.health)
-	a.lc.RegisterShutdownHook(componentHeartbeats, bestEffort(within(a.timeouts.redisRelease, a.heartbeats.clear)))
 	return nil
 }
 
