@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/meilisearch/meilisearch-go"
 	"github.com/minio/minio-go/v7"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"github.com/sirupsen/logrus"
 )
@@ -39,6 +40,7 @@ type app struct {
 	born    time.Time
 	log     *logrus.Logger
 	metrics *metrics
+	blocks  blockMetrics
 	lc      *Lifecycle
 	stop    *stopper
 
@@ -73,8 +75,32 @@ func newApp(getenv func(string) string, environ []string, stdout io.Writer) *app
 	m := newMetrics()
 	a := &app{getenv: getenv, environ: environ, born: born, log: log, metrics: m, lc: newLifecycle(log, m, born),
 		timeouts: newTimeouts(defaultConfig())} // until phase 1 has read the config
+	a.blocks = newBlockMetrics(m.registry)
 	a.stop = newStopper(log)
 	return a
+}
+
+// blockMetrics is what the building blocks add to /metrics. Each block
+// declares its own (outboxMetrics in outbox.go, …); the root makes them on the
+// process's registry at start, so every series is there from the first scrape.
+type blockMetrics struct {
+	heartbeat *heartbeatMetrics
+	outbox    *outboxMetrics
+	jobs      *jobsMetrics
+	backlog   *backlogMetrics
+	leader    *leaderMetrics
+	cron      *cronMetrics
+	sse       *sseMetrics
+}
+
+func newBlockMetrics(r prometheus.Registerer) blockMetrics {
+	return blockMetrics{heartbeat: newHeartbeatMetrics(r), outbox: newOutboxMetrics(r), jobs: newJobsMetrics(r),
+		backlog: newBacklogMetrics(r), leader: newLeaderMetrics(r), cron: newCronMetrics(r), sse: newSSEMetrics(r)}
+}
+
+// statusFigures is what the dashboard's record shows of them, and the requests.
+func (b blockMetrics) statusFigures(requests prometheus.Collector) statusFigures {
+	return statusFigures{requests: requests, jobs: b.jobs.worked, skipped: b.cron.ticksSkipped, backlog: b.backlog.backlog, bound: b.backlog.bound}
 }
 
 // serverFailed turns a listener that stopped serving into a shutdown.

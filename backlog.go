@@ -8,6 +8,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/labstack/echo/v4"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
 	"github.com/sirupsen/logrus"
 )
 
@@ -37,7 +39,7 @@ type backlogWatch struct {
 	interval   time.Duration
 	call       time.Duration // one count
 	over       atomic.Bool
-	metrics    *metrics
+	metrics    *backlogMetrics
 	log        *logrus.Entry
 }
 
@@ -46,13 +48,13 @@ type backlogWatchDeps struct {
 	bound    uint
 	interval time.Duration
 	call     time.Duration
-	metrics  *metrics
+	metrics  *backlogMetrics
 	log      *logrus.Logger
 	onPanic  func(c component, recovered any)
 }
 
 func newBacklogWatch(d backlogWatchDeps) *backlogWatch {
-	d.metrics.jobsBacklogBound.Set(float64(d.bound))
+	d.metrics.bound.Set(float64(d.bound))
 	return &backlogWatch{startStop: newStartStop(componentJobsBacklog, stopNow, d.onPanic), db: d.db, bound: int64(d.bound),
 		interval: d.interval, call: d.call, metrics: d.metrics, log: componentJobsBacklog.log(d.log)}
 }
@@ -82,7 +84,7 @@ func (w *backlogWatch) count(ctx context.Context) error {
 		2*w.bound).Scan(&n); err != nil {
 		return fmt.Errorf("counting the jobs backlog: %w", err)
 	}
-	w.metrics.jobsBacklog.Set(float64(n))
+	w.metrics.backlog.Set(float64(n))
 	over := n > w.bound
 	if w.over.Swap(over) == over {
 		return nil
@@ -105,5 +107,23 @@ func (w *backlogWatch) sayWhenDelayed() echo.MiddlewareFunc {
 			}
 			return next(c)
 		}
+	}
+}
+
+// backlogMetrics is what the backlog watch adds to /metrics.
+type backlogMetrics struct {
+	backlog prometheus.Gauge
+	bound   prometheus.Gauge
+}
+
+func newBacklogMetrics(r prometheus.Registerer) *backlogMetrics {
+	f := promauto.With(r)
+	return &backlogMetrics{
+		backlog: f.NewGauge(prometheus.GaugeOpts{
+			Namespace: metricNamespace, Name: "jobs_backlog", Help: "Jobs waiting to be worked (available, not yet taken), counted up to twice the bound (backlog.go).",
+		}),
+		bound: f.NewGauge(prometheus.GaugeOpts{
+			Namespace: metricNamespace, Name: "jobs_backlog_bound", Help: "KUMIKO_JOBS_BACKLOG_MAX: past it, the API's answers say Follow-Up-Delayed.",
+		}),
 	}
 }

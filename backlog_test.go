@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/labstack/echo/v4"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
@@ -19,7 +20,7 @@ import (
 func TestJobsBacklogPastItsBoundIsSaidNotShed(t *testing.T) {
 	ctx := context.Background()
 	f := newOutboxFixture(t) // a migrated database
-	m := newMetrics()
+	m := newBacklogMetrics(prometheus.NewRegistry())
 	var logs bytes.Buffer
 	w := newBacklogWatch(backlogWatchDeps{db: f.db, bound: 3, interval: time.Hour, call: time.Second, metrics: m,
 		log: newLogger(&logs, "json"), onPanic: func(_ component, r any) { t.Errorf("the backlog watch panicked: %v", r) }})
@@ -39,7 +40,7 @@ func TestJobsBacklogPastItsBoundIsSaidNotShed(t *testing.T) {
 	}
 	check := func(when string, backlog float64, header string) {
 		t.Helper()
-		if got := testutil.ToFloat64(m.jobsBacklog); got != backlog {
+		if got := testutil.ToFloat64(m.backlog); got != backlog {
 			t.Errorf("%s: kumiko_jobs_backlog %v, want %v", when, got, backlog)
 		}
 		if code, got := answer(); code != http.StatusNoContent || got != header {
@@ -53,7 +54,7 @@ func TestJobsBacklogPastItsBoundIsSaidNotShed(t *testing.T) {
 	}
 	defer w.Stop(ctx)
 	check("3 jobs waiting, bound 3", 3, "")
-	if bound := testutil.ToFloat64(m.jobsBacklogBound); bound != 3 {
+	if bound := testutil.ToFloat64(m.bound); bound != 3 {
 		t.Errorf("kumiko_jobs_backlog_bound %v, want 3", bound)
 	}
 

@@ -193,7 +193,7 @@ func (a *app) featureRegister(ctx context.Context, p *phaseRun) error {
 			}
 		}
 	}
-	a.metrics.initJobKinds(workerKinds(a.features))
+	a.blocks.jobs.initKinds(workerKinds(a.features))
 	p.note = fmt.Sprintf("%d features", len(a.features))
 	return nil
 }
@@ -210,7 +210,7 @@ func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	// The dashboard's status record; its hook runs after the heartbeats' and before the client's.
-	a.status = newStatusPublisher(a.redis, a.cfg.InstanceID, a.lc, a.metrics, a.log, a.panicked)
+	a.status = newStatusPublisher(a.redis, a.cfg.InstanceID, a.lc, a.blocks.statusFigures(a.metrics.httpRequests), a.log, a.panicked)
 	if err := a.status.Start(ctx); err != nil {
 		return err
 	}
@@ -219,7 +219,7 @@ func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
 	a.lc.RegisterShutdownHook(componentClusterStatus, bestEffort(within(a.timeouts.redisRelease, a.status.Stop)))
 	// Heartbeat keys live in Redis. Their hook is registered after the client's,
 	// so LIFO deletes them after the workers stop and before the client closes.
-	a.heartbeats = newHeartbeats(a.redis, a.cfg.InstanceID, a.cfg.Lifecycle.Heartbeat.TTL, a.timeouts.backgroundCall, a.metrics, a.health)
+	a.heartbeats = newHeartbeats(a.redis, a.cfg.InstanceID, a.cfg.Lifecycle.Heartbeat.TTL, a.timeouts.backgroundCall, a.blocks.heartbeat, a.health)
 	a.lc.RegisterShutdownHook(componentHeartbeats, bestEffort(within(a.timeouts.redisRelease, a.heartbeats.clear)))
 	return nil
 }
@@ -233,7 +233,7 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	log := componentJobsWorker.log(a.log)
 	riverPool := func(conns int32) (*pgxpool.Pool, error) { return a.newPool(ctx, "river", conns) }
 	j, err := newJobs(jobsDeps{cfg: a.cfg.Jobs, newPool: riverPool, softStop: a.timeouts.jobsSoftStop, rescue: a.timeouts.jobsRescue, instanceID: a.cfg.InstanceID,
-		features: a.features, tracer: a.tracing.tracer, metrics: a.metrics, log: log,
+		features: a.features, tracer: a.tracing.tracer, metrics: a.blocks.jobs, log: log,
 		work: workDeps{log: log, call: a.timeouts.jobCall,
 			db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket, masterKey: a.masterKey}})
 	if err != nil {
@@ -246,7 +246,7 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	beat := a.heartbeats.RegisterHeartbeat(componentOutboxPoller)
 	poller := newOutboxPoller(outboxPollerDeps{db: a.db, redis: a.redis, cfg: a.cfg.Outbox, beat: beat,
 		beatEvery: a.cfg.Lifecycle.Heartbeat.Interval, instanceID: a.cfg.InstanceID,
-		memberTTL: a.cfg.Lifecycle.Heartbeat.TTL, redisCall: a.timeouts.backgroundCall, insertJobs: insertTriggeredJobs(j), log: a.log, metrics: a.metrics, onPanic: a.panicked})
+		memberTTL: a.cfg.Lifecycle.Heartbeat.TTL, redisCall: a.timeouts.backgroundCall, insertJobs: insertTriggeredJobs(j), log: a.log, metrics: a.blocks.outbox, onPanic: a.panicked})
 	if err := a.retry(ctx, p, componentOutboxPoller, 3, poller.Start); err != nil {
 		return err
 	}
@@ -272,7 +272,7 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 	}
 	a.lc.RegisterShutdownHook(componentJobsHeartbeat, jobsBeat.Stop)
 	backlog := newBacklogWatch(backlogWatchDeps{db: a.db, bound: a.cfg.Jobs.BacklogMax, interval: a.cfg.Lifecycle.Heartbeat.Interval,
-		call: a.timeouts.backgroundCall, metrics: a.metrics, log: a.log, onPanic: a.panicked})
+		call: a.timeouts.backgroundCall, metrics: a.blocks.backlog, log: a.log, onPanic: a.panicked})
 	if err := backlog.Start(ctx); err != nil {
 		return err
 	}
@@ -286,9 +286,9 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 	}
 	sched := &scheduler{db: a.db, jobs: a.jobs, crons: cronsOf(a.features),
 		beat: a.heartbeats.RegisterHeartbeat(componentScheduler), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
-		skipped: a.metrics.cronTicksSkipped, onPanic: a.panicked, log: componentScheduler.log(a.log)}
+		skipped: a.blocks.cron.ticksSkipped, onPanic: a.panicked, log: componentScheduler.log(a.log)}
 	el := newElector(electorDeps{redis: a.redis, redisOpts: a.redisOpts, instanceID: a.cfg.InstanceID, ttl: le.LockTTL, renew: le.RenewInterval,
-		timeouts: a.timeouts, lead: sched.lead, fence: sched.fence, log: a.log, metrics: a.metrics, onPanic: a.panicked})
+		timeouts: a.timeouts, lead: sched.lead, fence: sched.fence, log: a.log, metrics: a.blocks.leader, onPanic: a.panicked})
 	if err := a.retry(ctx, p, componentLeaderElection, 3, el.Start); err != nil {
 		return err
 	}
@@ -303,7 +303,7 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 // client, which exist from here on.
 func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	hub := newSSEHub(sseHubDeps{db: a.db, redis: a.redis, cfg: a.cfg.SSE, poll: a.cfg.Outbox.PollInterval,
-		log: a.log, metrics: a.metrics, onPanic: a.panicked})
+		log: a.log, metrics: a.blocks.sse, onPanic: a.panicked})
 	if err := hub.Start(ctx); err != nil {
 		return err
 	}

@@ -45,13 +45,15 @@ func TestComponentsHaveOneNameEach(t *testing.T) {
 	}
 }
 
-// Right after newMetrics, every component's panics series, every connecting
+// Right after newMetrics and the blocks' (as newApp makes them), every component's panics series, every connecting
 // component's connect series and every beating component's heartbeat series
 // exist at 0, so increase(...) sees their first event; and those counters
 // have no other series, which would be a name kept in step by hand.
 func TestComponentSeriesStartAtZero(t *testing.T) {
 	want := componentSeries()
-	got := gatherComponentSeries(t, newMetrics().registry)
+	m := newMetrics()
+	newBlockMetrics(m.registry)
+	got := gatherComponentSeries(t, m.registry)
 	for key, v := range got {
 		if !want[key] {
 			t.Errorf("%s belongs to no component", key)

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
 	"github.com/robfig/cron/v3"
 	"github.com/sirupsen/logrus"
 )
@@ -197,4 +198,18 @@ func (s *scheduler) enqueue(ctx context.Context, log *logrus.Entry, token int64,
 			Warn("cron ticks skipped")
 	}
 	return nil
+}
+
+// cronMetrics is what the cron scheduler adds to /metrics.
+type cronMetrics struct {
+	ticksSkipped *prometheus.CounterVec
+}
+
+func newCronMetrics(r prometheus.Registerer) *cronMetrics {
+	f := promauto.With(r)
+	return &cronMetrics{
+		ticksSkipped: f.NewCounterVec(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "cron_ticks_skipped_total", Help: "Cron ticks this instance passed over while it led, by job: a leader that took over late or woke late runs the newest missed tick, once, and skips the older ones.",
+		}, []string{"job"}),
+	}
 }

@@ -210,11 +210,7 @@ type statusPublisher struct {
 	rdb        *redis.Client
 	instanceID string
 	lc         *Lifecycle
-	requests   prometheus.Collector // kumiko_http_requests_total: rps is its rate
-	jobs       prometheus.Collector // kumiko_jobs_total: its interrupted jobs
-	skipped    prometheus.Collector // kumiko_cron_ticks_skipped_total
-	backlog    prometheus.Gauge     // kumiko_jobs_backlog
-	bound      prometheus.Gauge     // kumiko_jobs_backlog_bound
+	figures    statusFigures
 	log        *logrus.Entry
 
 	kick  chan struct{}
@@ -228,10 +224,19 @@ type statusPublisher struct {
 	lastAt      time.Time
 }
 
-func newStatusPublisher(rdb *redis.Client, instanceID string, lc *Lifecycle, m *metrics, log *logrus.Logger,
+// statusFigures are the metrics a record shows, from the core and the blocks.
+type statusFigures struct {
+	requests prometheus.Collector // kumiko_http_requests_total: rps is its rate
+	jobs     prometheus.Collector // kumiko_jobs_total: its interrupted jobs
+	skipped  prometheus.Collector // kumiko_cron_ticks_skipped_total
+	backlog  prometheus.Gauge     // kumiko_jobs_backlog
+	bound    prometheus.Gauge     // kumiko_jobs_backlog_bound
+}
+
+func newStatusPublisher(rdb *redis.Client, instanceID string, lc *Lifecycle, figures statusFigures, log *logrus.Logger,
 	onPanic func(c component, recovered any)) *statusPublisher {
 	return &statusPublisher{startStop: newStartStop(componentClusterStatus, stopNow, onPanic), rdb: rdb, instanceID: instanceID,
-		lc: lc, requests: m.httpRequests, jobs: m.jobs, skipped: m.cronTicksSkipped, backlog: m.jobsBacklog, bound: m.jobsBacklogBound, log: componentClusterStatus.log(log), kick: make(chan struct{}, 1)}
+		lc: lc, figures: figures, log: componentClusterStatus.log(log), kick: make(chan struct{}, 1)}
 }
 
 // Start starts the loop, which writes the first record at once; Stop ends
@@ -306,11 +311,11 @@ func (sp *statusPublisher) Stop(ctx context.Context) error {
 }
 
 // requestCount sums kumiko_http_requests_total over its labels.
-func (sp *statusPublisher) requestCount() float64 { return counterSum(sp.requests, "", "") }
+func (sp *statusPublisher) requestCount() float64 { return counterSum(sp.figures.requests, "", "") }
 
 // interruptedJobs sums kumiko_jobs_total{result="interrupted"} over the job kinds.
 func (sp *statusPublisher) interruptedJobs() int64 {
-	return int64(counterSum(sp.jobs, "result", "interrupted"))
+	return int64(counterSum(sp.figures.jobs, "result", "interrupted"))
 }
 
 // counterSum sums a counter's series whose label name has value; all of
@@ -360,8 +365,8 @@ func (sp *statusPublisher) snapshot(state string) instanceStatus {
 	return instanceStatus{InstanceID: sp.instanceID, State: state, UptimeSec: int64(sp.lc.Uptime().Seconds()),
 		RPS: math.Round(sp.rps*10) / 10, Phases: phases, Drain: append([]drainStep{}, sp.drain...),
 		LingerEnded: sp.lingerEnded, JobsInterrupted: interrupted,
-		JobsBacklog: int64(gaugeValue(sp.backlog)), JobsBacklogBound: int64(gaugeValue(sp.bound)),
-		CronTicksSkipped: int64(counterSum(sp.skipped, "", "")), UpdatedAt: now.UnixMilli()}
+		JobsBacklog: int64(gaugeValue(sp.figures.backlog)), JobsBacklogBound: int64(gaugeValue(sp.figures.bound)),
+		CronTicksSkipped: int64(counterSum(sp.figures.skipped, "", "")), UpdatedAt: now.UnixMilli()}
 }
 
 // statusScript writes an instance's status record (KEYS[1], ARGV[1], TTL

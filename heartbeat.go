@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
 	"github.com/redis/go-redis/v9"
 	"github.com/sirupsen/logrus"
 )
@@ -24,7 +25,7 @@ type heartbeats struct {
 	instanceID string
 	ttl        time.Duration
 	timeout    time.Duration // one beat: a hung Redis costs a worker's loop this much
-	metrics    *metrics
+	metrics    *heartbeatMetrics
 	health     *readiness
 
 	// born is a monotonic reference: beats are stored as the time since it,
@@ -47,7 +48,7 @@ type heartbeat struct {
 	tried, last atomic.Int64
 }
 
-func newHeartbeats(rdb *redis.Client, instanceID string, ttl, timeout time.Duration, m *metrics, rd *readiness) *heartbeats {
+func newHeartbeats(rdb *redis.Client, instanceID string, ttl, timeout time.Duration, m *heartbeatMetrics, rd *readiness) *heartbeats {
 	hs := &heartbeats{rdb: rdb, instanceID: instanceID, ttl: ttl, timeout: timeout, metrics: m, health: rd, born: time.Now()}
 	m.registry.MustRegister(heartbeatAgeCollector{hs})
 	return hs
@@ -120,11 +121,11 @@ func (h *heartbeat) beat(ctx context.Context) error {
 	h.tried.Store(int64(sent) + 1)
 	err := beatScript.Run(ctx, h.owner.rdb, []string{h.key}, h.owner.ttl.Milliseconds()).Err()
 	if err != nil {
-		h.owner.metrics.heartbeatWritten.WithLabelValues(h.worker, "failed").Inc()
+		h.owner.metrics.written.WithLabelValues(h.worker, "failed").Inc()
 		return fmt.Errorf("writing heartbeat %s: %w", h.key, err)
 	}
 	h.last.Store(int64(sent) + 1)
-	h.owner.metrics.heartbeatWritten.WithLabelValues(h.worker, "ok").Inc()
+	h.owner.metrics.written.WithLabelValues(h.worker, "ok").Inc()
 	return nil
 }
 
@@ -240,4 +241,28 @@ func listLiveWorkers(ctx context.Context, rdb *redis.Client) ([]liveWorker, erro
 		return nil, fmt.Errorf("scanning heartbeat keys: %w", err)
 	}
 	return workers, nil
+}
+
+// heartbeatMetrics is what the heartbeats add to /metrics (the beats' ages are heartbeatAgeCollector's).
+type heartbeatMetrics struct {
+	registry prometheus.Registerer // the ages' collector joins it with the heartbeats
+	written  *prometheus.CounterVec
+}
+
+func newHeartbeatMetrics(r prometheus.Registerer) *heartbeatMetrics {
+	f := promauto.With(r)
+	m := &heartbeatMetrics{registry: r,
+		written: f.NewCounterVec(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "worker_heartbeats_total", Help: "Heartbeats written to Redis, by worker and result.",
+		}, []string{"worker", "result"}),
+	}
+	// Every worker's series starts at 0 (components.go names the workers).
+	for _, spec := range components {
+		if spec.heartbeat != "" {
+			for _, result := range []string{"ok", "failed"} {
+				m.written.WithLabelValues(spec.heartbeat, result)
+			}
+		}
+	}
+	return m
 }

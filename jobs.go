@@ -47,7 +47,7 @@ type jobsDeps struct {
 	features   []feature
 	work       workDeps
 	tracer     trace.Tracer
-	metrics    *metrics
+	metrics    *jobsMetrics
 	log        *logrus.Entry
 }
 

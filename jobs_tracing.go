@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/sirupsen/logrus"
@@ -34,7 +36,7 @@ type jobTrace struct {
 // A job whose context was cancelled while the client stops (stopping) was
 // interrupted by the drain: River puts it back without spending an attempt,
 // and it is counted and logged as interrupted, not failed.
-func traceAndCountJobs(tracer trace.Tracer, m *metrics, stopping func() bool, log *logrus.Entry) rivertype.Middleware {
+func traceAndCountJobs(tracer trace.Tracer, m *jobsMetrics, stopping func() bool, log *logrus.Entry) rivertype.Middleware {
 	return river.WorkerMiddlewareFunc(func(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error) error {
 		var meta jobTrace
 		_ = json.Unmarshal(job.Metadata, &meta) // no metadata: a new trace
@@ -58,8 +60,36 @@ func traceAndCountJobs(tracer trace.Tracer, m *metrics, stopping func() bool, lo
 			result = "failed"
 			span.SetStatus(codes.Error, err.Error())
 		}
-		m.jobs.WithLabelValues(job.Kind, result).Inc()
-		m.jobDuration.WithLabelValues(job.Kind).Observe(time.Since(start).Seconds())
+		m.worked.WithLabelValues(job.Kind, result).Inc()
+		m.duration.WithLabelValues(job.Kind).Observe(time.Since(start).Seconds())
 		return err
 	})
+}
+
+// jobsMetrics is what the jobs worker adds to /metrics.
+type jobsMetrics struct {
+	worked   *prometheus.CounterVec
+	duration *prometheus.HistogramVec
+}
+
+func newJobsMetrics(r prometheus.Registerer) *jobsMetrics {
+	f := promauto.With(r)
+	return &jobsMetrics{
+		worked: f.NewCounterVec(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "jobs_total", Help: "Jobs worked by this instance, by kind and result.",
+		}, []string{"kind", "result"}),
+		duration: f.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: metricNamespace, Name: "job_duration_seconds", Help: "How long jobs took, by kind.", Buckets: prometheus.DefBuckets,
+		}, []string{"kind"}),
+	}
+}
+
+// initKinds starts the counter of every kind the features work at 0 (phase
+// 5, once the kinds are known): increase(...) then sees a kind's first job.
+func (m *jobsMetrics) initKinds(kinds []string) {
+	for _, k := range kinds {
+		for _, r := range []string{"ok", "failed", "interrupted"} {
+			m.worked.WithLabelValues(k, r)
+		}
+	}
 }

@@ -9,6 +9,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
 	"github.com/redis/go-redis/v9"
 	"github.com/sirupsen/logrus"
 )
@@ -67,7 +69,7 @@ type elector struct {
 	retry      time.Duration                            // leaderRenewRetry: after a failed renewal
 	release    time.Duration                            // a release of the lock: shutdown, fence, a SETNX cut short
 	log        *logrus.Entry
-	metrics    *metrics
+	metrics    *leaderMetrics
 
 	mu          sync.Mutex
 	releaseErr  error // the shutdown's release failed: the lock expires by itself
@@ -87,7 +89,7 @@ type electorDeps struct {
 	lead       func(ctx context.Context, token int64) error
 	fence      func(ctx context.Context) (int64, error)
 	log        *logrus.Logger
-	metrics    *metrics
+	metrics    *leaderMetrics
 	onPanic    func(c component, recovered any)
 }
 
@@ -238,7 +240,7 @@ func (e *elector) markFenced(fence int64, reason string) {
 	e.fencedTotal++
 	e.mu.Unlock()
 	e.setFenced(true)
-	e.metrics.leaderFencedTotal.Inc()
+	e.metrics.fencedTotal.Inc()
 	e.log.WithFields(logrus.Fields{"event": "fenced", "fence": fence, "reason": reason}).Warn("fenced")
 }
 
@@ -248,7 +250,7 @@ func (e *elector) setFenced(fenced bool) {
 	e.mu.Lock()
 	e.fenced = fenced
 	e.mu.Unlock()
-	e.metrics.leaderFenced.Set(boolGauge(fenced))
+	e.metrics.fenced.Set(boolGauge(fenced))
 }
 
 // serve leads until the lock is lost, the renew deadline passes or the
@@ -341,8 +343,8 @@ func (e *elector) setLeading(leading bool) {
 	e.leading = leading
 	e.mu.Unlock()
 	if changed {
-		e.metrics.leader.Set(boolGauge(leading))
-		e.metrics.leaderTransitions.Inc()
+		e.metrics.leading.Set(boolGauge(leading))
+		e.metrics.transitions.Inc()
 	}
 }
 
@@ -379,4 +381,30 @@ type fencedError struct{ token, fence int64 }
 
 func (e *fencedError) Error() string {
 	return fmt.Sprintf("fenced: token %d is older than the fence %d of a newer leader", e.token, e.fence)
+}
+
+// leaderMetrics is what the leader election adds to /metrics.
+type leaderMetrics struct {
+	leading     prometheus.Gauge
+	transitions prometheus.Counter
+	fenced      prometheus.Gauge
+	fencedTotal prometheus.Counter
+}
+
+func newLeaderMetrics(r prometheus.Registerer) *leaderMetrics {
+	f := promauto.With(r)
+	return &leaderMetrics{
+		leading: f.NewGauge(prometheus.GaugeOpts{
+			Namespace: metricNamespace, Name: "leader", Help: "1 while this instance leads (schedules the cron jobs).",
+		}),
+		transitions: f.NewCounter(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "leader_transitions_total", Help: "Times this instance became or stopped being leader.",
+		}),
+		fenced: f.NewGauge(prometheus.GaugeOpts{
+			Namespace: metricNamespace, Name: "leader_fenced", Help: "1 while this instance is fenced: it met a newer fencing token and does not lead with a valid one yet.",
+		}),
+		fencedTotal: f.NewCounter(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "leader_fenced_total", Help: "Times this instance met a fence: a stale token refused, or a token counter behind the fence raised.",
+		}),
+	}
 }

@@ -68,47 +68,27 @@ func (f exitIsLast) Format(e *logrus.Entry) ([]byte, error) {
 type metrics struct {
 	registry *prometheus.Registry
 
-	state                *prometheus.GaugeVec
-	stateChanges         *prometheus.CounterVec
-	phaseDuration        *prometheus.GaugeVec
-	startupDuration      prometheus.Gauge
-	shutdownStep         *prometheus.GaugeVec
-	shutdownForced       prometheus.Counter
-	httpInFlight         prometheus.Gauge
-	httpRequests         *prometheus.CounterVec
-	httpDuration         *prometheus.HistogramVec
-	admissionLimit       prometheus.Gauge
-	apiConns             prometheus.Gauge
-	apiConnsMax          prometheus.Gauge
-	apiConnsReclaimed    *prometheus.CounterVec
-	apiConnsRefused      prometheus.Counter
-	admissionInFlight    prometheus.Gauge
-	admissionShed        prometheus.Counter
-	admissionBaseline    prometheus.Gauge
-	readinessOK          *prometheus.GaugeVec
-	readinessProbes      *prometheus.CounterVec
-	panics               *prometheus.CounterVec
-	connectAttempts      *prometheus.CounterVec
-	heartbeatWritten     *prometheus.CounterVec
-	outboxPending        prometheus.Gauge
-	outboxDelivered      prometheus.Counter
-	outboxFailed         prometheus.Counter
-	outboxDead           prometheus.Counter
-	outboxWakeFailed     prometheus.Counter
-	outboxSequenceFailed prometheus.Counter
-	outboxLatency        prometheus.Histogram
-	sseStreams           prometheus.Gauge
-	sseDropped           prometheus.Counter
-	sseSendLag           prometheus.Histogram
-	leader               prometheus.Gauge
-	leaderTransitions    prometheus.Counter
-	leaderFenced         prometheus.Gauge
-	leaderFencedTotal    prometheus.Counter
-	cronTicksSkipped     *prometheus.CounterVec
-	jobs                 *prometheus.CounterVec
-	jobDuration          *prometheus.HistogramVec
-	jobsBacklog          prometheus.Gauge
-	jobsBacklogBound     prometheus.Gauge
+	state             *prometheus.GaugeVec
+	stateChanges      *prometheus.CounterVec
+	phaseDuration     *prometheus.GaugeVec
+	startupDuration   prometheus.Gauge
+	shutdownStep      *prometheus.GaugeVec
+	shutdownForced    prometheus.Counter
+	httpInFlight      prometheus.Gauge
+	httpRequests      *prometheus.CounterVec
+	httpDuration      *prometheus.HistogramVec
+	admissionLimit    prometheus.Gauge
+	apiConns          prometheus.Gauge
+	apiConnsMax       prometheus.Gauge
+	apiConnsReclaimed *prometheus.CounterVec
+	apiConnsRefused   prometheus.Counter
+	admissionInFlight prometheus.Gauge
+	admissionShed     prometheus.Counter
+	admissionBaseline prometheus.Gauge
+	readinessOK       *prometheus.GaugeVec
+	readinessProbes   *prometheus.CounterVec
+	panics            *prometheus.CounterVec
+	connectAttempts   *prometheus.CounterVec
 }
 
 func newMetrics() *metrics {
@@ -181,70 +161,6 @@ func newMetrics() *metrics {
 		connectAttempts: f.NewCounterVec(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "connect_attempts_total", Help: "Connection attempts of the connect phases, by target and result.",
 		}, []string{"target", "result"}),
-		heartbeatWritten: f.NewCounterVec(prometheus.CounterOpts{
-			Namespace: metricNamespace, Name: "worker_heartbeats_total", Help: "Heartbeats written to Redis, by worker and result.",
-		}, []string{"worker", "result"}),
-		outboxPending: f.NewGauge(prometheus.GaugeOpts{
-			Namespace: metricNamespace, Name: "outbox_pending",
-			Help: fmt.Sprintf("Outbox events neither delivered nor dead, counted up to %d (a larger backlog reads %[1]d).", outboxPendingCountMax),
-		}),
-		outboxDelivered: f.NewCounter(prometheus.CounterOpts{
-			Namespace: metricNamespace, Name: "outbox_delivered_total", Help: "Outbox events delivered by this instance.",
-		}),
-		outboxFailed: f.NewCounter(prometheus.CounterOpts{
-			Namespace: metricNamespace, Name: "outbox_failed_total", Help: "Outbox delivery attempts that failed (retried later).",
-		}),
-		outboxDead: f.NewCounter(prometheus.CounterOpts{
-			Namespace: metricNamespace, Name: "outbox_dead_total", Help: "Outbox events given up after the maximum attempts.",
-		}),
-		outboxWakeFailed: f.NewCounter(prometheus.CounterOpts{
-			Namespace: metricNamespace, Name: "outbox_wake_failed_total", Help: "Redis wake-ups of the SSE hubs that failed (delivery is unaffected; hubs poll Postgres).",
-		}),
-		outboxSequenceFailed: f.NewCounter(prometheus.CounterOpts{
-			Namespace: metricNamespace, Name: "outbox_sequencer_failed_total", Help: "Sequencer steps that failed (their events are numbered by a later step).",
-		}),
-		outboxLatency: f.NewHistogram(prometheus.HistogramOpts{
-			Namespace: metricNamespace, Name: "outbox_delivery_latency_seconds", Help: "From writing an event to its delivery.",
-			Buckets: []float64{.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 5, 30},
-		}),
-		sseStreams: f.NewGauge(prometheus.GaugeOpts{
-			Namespace: metricNamespace, Name: "sse_streams", Help: "Open event streams on this instance.",
-		}),
-		sseDropped: f.NewCounter(prometheus.CounterOpts{
-			Namespace: metricNamespace, Name: "sse_slow_streams_closed_total", Help: "Event streams closed because the client fell too far behind.",
-		}),
-		sseSendLag: f.NewHistogram(prometheus.HistogramOpts{
-			Namespace: metricNamespace, Name: "sse_send_lag_seconds",
-			Help:    "From writing an event to handing it to a stream's connection, for the oldest event of each write: how far the fan-out runs behind.",
-			Buckets: []float64{.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 5, 30},
-		}),
-		leader: f.NewGauge(prometheus.GaugeOpts{
-			Namespace: metricNamespace, Name: "leader", Help: "1 while this instance leads (schedules the cron jobs).",
-		}),
-		leaderTransitions: f.NewCounter(prometheus.CounterOpts{
-			Namespace: metricNamespace, Name: "leader_transitions_total", Help: "Times this instance became or stopped being leader.",
-		}),
-		leaderFenced: f.NewGauge(prometheus.GaugeOpts{
-			Namespace: metricNamespace, Name: "leader_fenced", Help: "1 while this instance is fenced: it met a newer fencing token and does not lead with a valid one yet.",
-		}),
-		leaderFencedTotal: f.NewCounter(prometheus.CounterOpts{
-			Namespace: metricNamespace, Name: "leader_fenced_total", Help: "Times this instance met a fence: a stale token refused, or a token counter behind the fence raised.",
-		}),
-		cronTicksSkipped: f.NewCounterVec(prometheus.CounterOpts{
-			Namespace: metricNamespace, Name: "cron_ticks_skipped_total", Help: "Cron ticks this instance passed over while it led, by job: a leader that took over late or woke late runs the newest missed tick, once, and skips the older ones.",
-		}, []string{"job"}),
-		jobs: f.NewCounterVec(prometheus.CounterOpts{
-			Namespace: metricNamespace, Name: "jobs_total", Help: "Jobs worked by this instance, by kind and result.",
-		}, []string{"kind", "result"}),
-		jobDuration: f.NewHistogramVec(prometheus.HistogramOpts{
-			Namespace: metricNamespace, Name: "job_duration_seconds", Help: "How long jobs took, by kind.", Buckets: prometheus.DefBuckets,
-		}, []string{"kind"}),
-		jobsBacklog: f.NewGauge(prometheus.GaugeOpts{
-			Namespace: metricNamespace, Name: "jobs_backlog", Help: "Jobs waiting to be worked (available, not yet taken), counted up to twice the bound (backlog.go).",
-		}),
-		jobsBacklogBound: f.NewGauge(prometheus.GaugeOpts{
-			Namespace: metricNamespace, Name: "jobs_backlog_bound", Help: "KUMIKO_JOBS_BACKLOG_MAX: past it, the API's answers say Follow-Up-Delayed.",
-		}),
 	}
 	m.initKnownLabels()
 	return m
@@ -267,19 +183,6 @@ func (m *metrics) initKnownLabels() {
 			if spec.connects {
 				m.connectAttempts.WithLabelValues(spec.name, r)
 			}
-			if spec.heartbeat != "" {
-				m.heartbeatWritten.WithLabelValues(spec.heartbeat, r)
-			}
-		}
-	}
-}
-
-// initJobKinds starts the jobs counter of every kind the features work at 0
-// (phase 5, once the kinds are known).
-func (m *metrics) initJobKinds(kinds []string) {
-	for _, k := range kinds {
-		for _, r := range []string{"ok", "failed", "interrupted"} {
-			m.jobs.WithLabelValues(k, r)
 		}
 	}
 }

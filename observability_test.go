@@ -242,7 +242,7 @@ func TestAlertRulesUseRealMetrics(t *testing.T) {
 	// Children of vector metrics appear in Gather once they have a value.
 	m.state.WithLabelValues("ready")
 	m.readinessOK.WithLabelValues("db")
-	newHeartbeats(nil, "x", time.Second, time.Second, m, testReadiness(t, newTestLifecycle(), m, time.Second, time.Second)).RegisterHeartbeat(componentScheduler).last.Store(1)
+	newHeartbeats(nil, "x", time.Second, time.Second, newBlockMetrics(m.registry).heartbeat, testReadiness(t, newTestLifecycle(), m, time.Second, time.Second)).RegisterHeartbeat(componentScheduler).last.Store(1)
 	families, _ := m.registry.Gather()
 	known := map[string]bool{}
 	for _, f := range families {

@@ -773,7 +773,7 @@ func TestSSESendLagIsObserved(t *testing.T) {
 	// A sample is taken once its write returned, which may be after the client read it.
 	var m dto.Metric
 	poll(5*time.Second, 5*time.Millisecond, func() bool {
-		if err := s.app.metrics.sseSendLag.Write(&m); err != nil {
+		if err := s.app.blocks.sse.sendLag.Write(&m); err != nil {
 			t.Fatal(err)
 		}
 		return m.GetHistogram().GetSampleCount() > 0

@@ -11,6 +11,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgxlisten"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
 	"github.com/redis/go-redis/v9"
 	"github.com/riverqueue/river"
 	"github.com/sirupsen/logrus"
@@ -86,7 +88,7 @@ type outboxPoller struct {
 	beat    *heartbeat
 	beatInt time.Duration
 	log     *logrus.Entry
-	metrics *metrics
+	metrics *outboxMetrics
 	// alsoInTx inserts the jobs the events trigger, in the delivery
 	// transaction (in a savepoint: an error fails only those events).
 	alsoInTx func(ctx context.Context, tx pgx.Tx, events []outboxEvent) error
@@ -122,7 +124,7 @@ type outboxPollerDeps struct {
 	redisCall  time.Duration                                                    // one Redis call of the share
 	insertJobs func(ctx context.Context, tx pgx.Tx, events []outboxEvent) error // in the delivery transaction
 	log        *logrus.Logger
-	metrics    *metrics
+	metrics    *outboxMetrics
 	onPanic    func(c component, recovered any)
 }
 
@@ -520,15 +522,15 @@ func (p *outboxPoller) recordFailure(ctx context.Context, events []outboxEvent, 
 // countOutcomes counts a batch's delivered, retried and dead events and logs
 // each dead one (and each retried one, when logRetries).
 func (p *outboxPoller) countOutcomes(delivered []outboxEvent, failed map[int]error, attempts []int32, events []outboxEvent, logRetries bool) {
-	p.metrics.outboxDelivered.Add(float64(len(delivered)))
+	p.metrics.delivered.Add(float64(len(delivered)))
 	for _, e := range delivered {
-		p.metrics.outboxLatency.Observe(time.Since(e.CreatedAt).Seconds())
+		p.metrics.latency.Observe(time.Since(e.CreatedAt).Seconds())
 	}
 	for i, err := range failed {
-		p.metrics.outboxFailed.Inc()
+		p.metrics.failed.Inc()
 		log := p.log.WithFields(logrus.Fields{"event_id": events[i].ID, "attempt": attempts[i] + 1}).WithError(err)
 		if uint(attempts[i])+1 >= p.cfg.MaxAttempts {
-			p.metrics.outboxDead.Inc()
+			p.metrics.dead.Inc()
 			log.Error("event is dead: delivery given up after the maximum attempts")
 		} else if logRetries {
 			log.Warn("delivery failed; retrying after a backoff")
@@ -565,7 +567,7 @@ func (p *outboxPoller) sequenceDelivered(ctx context.Context) {
 		n, newest, locked, err := sequenceStep(ctx, p.db, sequencerBatch)
 		if err != nil {
 			if ctx.Err() == nil {
-				p.metrics.outboxSequenceFailed.Inc()
+				p.metrics.sequenceFailed.Inc()
 				p.log.WithError(err).Warn("numbering delivered events; the next step numbers them")
 			}
 			return
@@ -671,7 +673,7 @@ func (p *outboxPoller) runWaker(ctx context.Context) {
 			cancel()
 			switch {
 			case err != nil && ctx.Err() == nil:
-				p.metrics.outboxWakeFailed.Inc()
+				p.metrics.wakeFailed.Inc()
 				if !failing { // once per outage, not once per batch
 					p.log.WithError(err).Warn("cannot wake the SSE hubs over Redis; they catch up from Postgres on their poll")
 				}
@@ -699,7 +701,7 @@ func (p *outboxPoller) updatePending(ctx context.Context) error {
 		WHERE delivered_at IS NULL AND dead_at IS NULL LIMIT $1) AS pending`, outboxPendingCountMax).Scan(&n); err != nil {
 		return fmt.Errorf("counting pending outbox events: %w", err)
 	}
-	p.metrics.outboxPending.Set(float64(n))
+	p.metrics.pending.Set(float64(n))
 	return nil
 }
 
@@ -759,4 +761,44 @@ func deliverySpans(ctx context.Context, tracer trace.Tracer, evs []outboxEvent) 
 	}
 	meta, _ := json.Marshal(t)
 	return meta
+}
+
+// outboxMetrics is what the outbox adds to /metrics.
+type outboxMetrics struct {
+	pending        prometheus.Gauge
+	delivered      prometheus.Counter
+	failed         prometheus.Counter
+	dead           prometheus.Counter
+	wakeFailed     prometheus.Counter
+	sequenceFailed prometheus.Counter
+	latency        prometheus.Histogram
+}
+
+func newOutboxMetrics(r prometheus.Registerer) *outboxMetrics {
+	f := promauto.With(r)
+	return &outboxMetrics{
+		pending: f.NewGauge(prometheus.GaugeOpts{
+			Namespace: metricNamespace, Name: "outbox_pending",
+			Help: fmt.Sprintf("Outbox events neither delivered nor dead, counted up to %d (a larger backlog reads %[1]d).", outboxPendingCountMax),
+		}),
+		delivered: f.NewCounter(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "outbox_delivered_total", Help: "Outbox events delivered by this instance.",
+		}),
+		failed: f.NewCounter(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "outbox_failed_total", Help: "Outbox delivery attempts that failed (retried later).",
+		}),
+		dead: f.NewCounter(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "outbox_dead_total", Help: "Outbox events given up after the maximum attempts.",
+		}),
+		wakeFailed: f.NewCounter(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "outbox_wake_failed_total", Help: "Redis wake-ups of the SSE hubs that failed (delivery is unaffected; hubs poll Postgres).",
+		}),
+		sequenceFailed: f.NewCounter(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "outbox_sequencer_failed_total", Help: "Sequencer steps that failed (their events are numbered by a later step).",
+		}),
+		latency: f.NewHistogram(prometheus.HistogramOpts{
+			Namespace: metricNamespace, Name: "outbox_delivery_latency_seconds", Help: "From writing an event to its delivery.",
+			Buckets: []float64{.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 5, 30},
+		}),
+	}
 }

@@ -80,10 +80,10 @@ func (f *outboxFixture) pollerOn(t testing.TB, name string, db *pgxpool.Pool) *o
 	t.Helper()
 	m := newMetrics()
 	rd := testReadiness(t, readyLifecycle(t), m, time.Second, time.Hour)
-	beat := newHeartbeats(f.rdb, name, 10*time.Second, time.Second, m, rd).RegisterHeartbeat(componentOutboxPoller)
+	beat := newHeartbeats(f.rdb, name, 10*time.Second, time.Second, newHeartbeatMetrics(m.registry), rd).RegisterHeartbeat(componentOutboxPoller)
 	p := newOutboxPoller(outboxPollerDeps{db: db, redis: f.rdb, cfg: f.cfg, beat: beat, beatEvery: cmp.Or(f.beatEvery, time.Second),
 		instanceID: name, memberTTL: 10 * time.Second, redisCall: time.Second,
-		insertJobs: f.alsoInTx, log: newLogger(io.Discard, "json"), metrics: m,
+		insertJobs: f.alsoInTx, log: newLogger(io.Discard, "json"), metrics: newOutboxMetrics(m.registry),
 		onPanic: func(_ component, r any) { t.Errorf("poller panicked: %v", r) }})
 	t.Cleanup(func() { p.Stop(context.Background()) })
 	return p
@@ -486,7 +486,7 @@ func TestOutboxPendingCountIsBounded(t *testing.T) {
 	if err := p.updatePending(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	if got := testutil.ToFloat64(p.metrics.outboxPending); got != 3 {
+	if got := testutil.ToFloat64(p.metrics.pending); got != 3 {
 		t.Errorf("3 pending events read %v", got)
 	}
 	if _, err := f.db.Exec(context.Background(), `INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
@@ -496,7 +496,7 @@ func TestOutboxPendingCountIsBounded(t *testing.T) {
 	if err := p.updatePending(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	if got := testutil.ToFloat64(p.metrics.outboxPending); got != outboxPendingCountMax {
+	if got := testutil.ToFloat64(p.metrics.pending); got != outboxPendingCountMax {
 		t.Errorf("%d pending events read %v; want the bound, %d", outboxPendingCountMax+3, got, outboxPendingCountMax)
 	}
 }

@@ -47,7 +47,7 @@ type sseHub struct {
 	cfg     sseConfig
 	poll    time.Duration
 	log     *logrus.Entry
-	metrics *metrics
+	metrics *sseMetrics
 
 	mu sync.Mutex
 	// handlers are the streams whose handler has not returned yet: they count
@@ -104,7 +104,7 @@ type sseHubDeps struct {
 	cfg     sseConfig
 	poll    time.Duration // the catch-up from Postgres, for wake-ups Redis lost
 	log     *logrus.Logger
-	metrics *metrics
+	metrics *sseMetrics
 	onPanic func(c component, recovered any)
 }
 

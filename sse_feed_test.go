@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // The hub's feed: every stream reads the same encoded frames in delivery
@@ -20,7 +21,7 @@ func TestSSEFeedSharesFramesAndDropsLaggards(t *testing.T) {
 	}
 	defer pool.Close()
 	h := newSSEHub(sseHubDeps{db: pool, cfg: defaultConfig().SSE, poll: time.Second, log: newLogger(io.Discard, "json"),
-		metrics: newMetrics(), onPanic: func(component, any) {}})
+		metrics: newSSEMetrics(prometheus.NewRegistry()), onPanic: func(component, any) {}})
 	open := func() *sseStream {
 		s, _, err := h.open(context.Background(), "127.0.0.1", nil)
 		if err != nil {
@@ -102,7 +103,7 @@ func TestSSEHubReadsNoEventWithNoStreamOpen(t *testing.T) {
 	_, seqs := f.deliveredInOrder(t)
 
 	h := newSSEHub(sseHubDeps{db: f.db, cfg: defaultConfig().SSE, poll: time.Second, log: newLogger(io.Discard, "json"),
-		metrics: newMetrics(), onPanic: func(component, any) {}})
+		metrics: newSSEMetrics(prometheus.NewRegistry()), onPanic: func(component, any) {}})
 	h.catchUp(context.Background(), seqs[0]) // a poller's wake-up
 	if h.position() != seqs[0] || h.written != 0 {
 		t.Fatalf("after a wake-up with no stream: cursor %d, %d events read; want %d and none", h.position(), h.written, seqs[0])

@@ -122,7 +122,7 @@ func handleEvents(h *sseHub, db *pgxpool.Pool, cfg sseConfig, instanceID string,
 					// Too far behind: end it rather than hold frames for it;
 					// the client resumes from its Last-Event-ID. The stream
 					// counts against the caps until this handler has returned.
-					h.metrics.sseDropped.Inc()
+					h.metrics.dropped.Inc()
 					return nil
 				}
 				batch = frames

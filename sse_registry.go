@@ -4,6 +4,9 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
 )
 
 // The streams the hub knows, and the caps on them (KUMIKO_SSE_MAX_STREAMS,
@@ -31,7 +34,7 @@ func (h *sseHub) open(ctx context.Context, ip string, rc *http.ResponseControlle
 	h.subscribed[s] = struct{}{}
 	h.perIP[ip]++
 	h.active.Add(1)
-	h.metrics.sseStreams.Inc()
+	h.metrics.streams.Inc()
 	h.streamsNow.Add(1)
 	// The stream reads the feed from here on: every event after cursor.
 	h.feedMu.RLock()
@@ -52,7 +55,7 @@ func (h *sseHub) release(s *sseStream) {
 	if h.perIP[s.ip]--; h.perIP[s.ip] == 0 {
 		delete(h.perIP, s.ip)
 	}
-	h.metrics.sseStreams.Dec()
+	h.metrics.streams.Dec()
 	h.streamsNow.Add(-1)
 	h.mu.Unlock()
 	h.active.Done()
@@ -64,4 +67,28 @@ func (h *sseHub) openStreams() int {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return len(h.handlers)
+}
+
+// sseMetrics is what the event streams add to /metrics.
+type sseMetrics struct {
+	streams prometheus.Gauge
+	dropped prometheus.Counter
+	sendLag prometheus.Histogram
+}
+
+func newSSEMetrics(r prometheus.Registerer) *sseMetrics {
+	f := promauto.With(r)
+	return &sseMetrics{
+		streams: f.NewGauge(prometheus.GaugeOpts{
+			Namespace: metricNamespace, Name: "sse_streams", Help: "Open event streams on this instance.",
+		}),
+		dropped: f.NewCounter(prometheus.CounterOpts{
+			Namespace: metricNamespace, Name: "sse_slow_streams_closed_total", Help: "Event streams closed because the client fell too far behind.",
+		}),
+		sendLag: f.NewHistogram(prometheus.HistogramOpts{
+			Namespace: metricNamespace, Name: "sse_send_lag_seconds",
+			Help:    "From writing an event to handing it to a stream's connection, for the oldest event of each write: how far the fan-out runs behind.",
+			Buckets: []float64{.001, .0025, .005, .01, .02, .05, .1, .25, .5, 1, 5, 30},
+		}),
+	}
 }

@@ -130,7 +130,7 @@ func (h *sseHub) sendFrames(s *sseStream, w http.ResponseWriter, frames []feedFr
 	if err := s.send(w, out); err != nil {
 		return err
 	}
-	h.metrics.sseSendLag.Observe(time.Since(oldest).Seconds())
+	h.metrics.sendLag.Observe(time.Since(oldest).Seconds())
 	return nil
 }
 
