@@ -28,7 +28,8 @@ func TestClusterTimesAreRedisTime(t *testing.T) {
 	}
 
 	m := newMetrics()
-	hs := newHeartbeats(rdb, "inst-1", 10*time.Second, time.Second, newHeartbeatMetrics(m.registry), testReadiness(t, readyLifecycle(t), m, time.Second, time.Hour))
+	blocks := newBlockMetrics(m.registry)
+	hs := newHeartbeats(rdb, "inst-1", 10*time.Second, time.Second, blocks.heartbeat, testReadiness(t, readyLifecycle(t), m, time.Second, time.Hour))
 	hb := hs.RegisterHeartbeat(componentOutboxPoller)
 	if err := hb.beat(ctx); err != nil {
 		t.Fatal(err)
@@ -56,7 +57,7 @@ func TestClusterTimesAreRedisTime(t *testing.T) {
 	// goes, ours expires a TTL from Redis's now.
 	now := serverNow().UnixMilli()
 	rdb.ZAdd(ctx, statusIndexKey, redis.Z{Score: float64(now + 3000), Member: "inst-live"}, redis.Z{Score: float64(now - 1000), Member: "inst-gone"})
-	sp := newStatusPublisher(rdb, "inst-1", readyLifecycle(t), newBlockMetrics(m.registry).statusFigures(m.httpRequests), logrus.New(), func(component, any) {})
+	sp := newStatusPublisher(rdb, "inst-1", readyLifecycle(t), blocks.statusFigures(m.httpRequests), logrus.New(), func(component, any) {})
 	if err := sp.write(ctx, "ready", 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
