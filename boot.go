@@ -61,7 +61,7 @@ func (a *app) boot(ctx context.Context) error {
 		{"schemaBaseline", t.phase, failExit, a.schemaBaseline},
 		// 9. exit, apply or warn on pending migrations: KUMIKO_MIGRATIONS_MODE (migrations.go).
 		{"migrationsCheck", t.phase, failExit, a.migrationsCheck},
-		// 10. the Redis client, the heartbeat keys and the dashboard status record, same backoff as the DB (redis.go).
+		// 10. the Redis client, same backoff as the DB (redis.go), then the heartbeat keys and the dashboard status record.
 		{"redisConnect", t.connect, failExit, a.redisConnect},
 		// 11. Meilisearch; when down or slow (KUMIKO_OPTIONAL_DEPENDENCY_TIMEOUT), warn and let search fall back (search.go).
 		{"searchAdapter", t.optionalPhase, failWarn, a.searchAdapter},
