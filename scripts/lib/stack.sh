@@ -306,10 +306,17 @@ start_services() {
   begin "starting PostgreSQL" "on :$PG_PORT"
   # In the background, in a session of its own: a Ctrl+C meanwhile neither
   # cuts pg_ctl short (the postmaster may already run) nor waits for it;
-  # cleanup waits for the start to end and then stops the server.
+  # cleanup waits for the start to end and then stops the server. A signal
+  # between the fork and pg_starting=$! is held until the pid is known:
+  # taken in between, cleanup would find neither the start nor, yet, a
+  # postmaster.pid, and leave the server running.
+  local held=""
+  trap 'held=1' INT TERM
   setsid "${pg_user[@]}" "$pgbin/pg_ctl" -D "$DIR/pg" -w -l "$DIR/pg.log" \
     -o "-p $PG_PORT -k $DIR -c listen_addresses=127.0.0.1" start >/dev/null 2>&1 &
   pg_starting=$!
+  trap on_signal INT TERM
+  [ -z "$held" ] || on_signal
   if ! wait "$pg_starting"; then
     pg_starting=""
     echo "PostgreSQL did not start on :$PG_PORT (set PG_PORT=… to use another port)" >&2
