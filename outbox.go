@@ -203,17 +203,24 @@ func (p *outboxPoller) run(ctx context.Context) {
 // pollers polling every 50 ms, the counting cost Postgres more than the
 // delivery did). Once the stop has begun it makes no further Redis call: a
 // stop waits for one call in flight (backgroundCall), not for a row of them.
+// Nor does it after a failed beat: Redis did not answer, and a second call
+// waiting out its deadline would only delay the next beat, until a loop
+// that is merely waiting on a frozen Redis looked stuck (its heartbeat's
+// readiness check); the entry is refreshed at the next beat that succeeds.
 func (p *outboxPoller) beatNow(ctx context.Context) {
-	if err := p.beat.beat(ctx); err != nil && ctx.Err() == nil {
-		p.log.WithError(err).Warn("heartbeat")
+	beatErr := p.beat.beat(ctx)
+	if beatErr != nil && ctx.Err() == nil {
+		p.log.WithError(beatErr).Warn("heartbeat")
 	}
 	select {
 	case <-p.stopping():
 		return
 	default:
 	}
-	if err := p.share.join(ctx); err != nil && ctx.Err() == nil {
-		p.log.WithError(err).Warn("refreshing this poller's entry")
+	if beatErr == nil {
+		if err := p.share.join(ctx); err != nil && ctx.Err() == nil {
+			p.log.WithError(err).Warn("refreshing this poller's entry")
+		}
 	}
 	if err := p.updatePending(ctx); err != nil && ctx.Err() == nil {
 		p.log.WithError(err).Warn("counting pending events")

@@ -582,3 +582,60 @@ func TestOutboxSequencerStepsAsideWhileTheLockIsTaken(t *testing.T) {
 		t.Fatalf("numbered after the lock was freed: %v, want %v", got, ids)
 	}
 }
+
+// A beat that Redis does not answer is the beat's only Redis call: joining
+// the pollers too would wait out a second deadline, and a loop that is only
+// waiting on a frozen Redis must go on beating often enough not to look
+// stuck (the fleet test saw readiness 503 through a frozen Redis when it did).
+func TestOutboxBeatWithoutRedisSkipsTheJoin(t *testing.T) {
+	f := newOutboxFixture(t)
+	p := f.poller(t, "a")
+	sent := &scriptCalls{}
+	f.rdb.AddHook(sent)
+
+	p.beatNow(context.Background())
+	if n := sent.count(joinScript); n != 1 {
+		t.Fatalf("with Redis up, a beat joined the pollers %d times, want 1", n)
+	}
+	f.redis.Pause()
+	t.Cleanup(f.redis.Resume)
+	p.beatNow(context.Background())
+	if n := sent.count(beatScript); n != 2 {
+		t.Fatalf("the heartbeat was sent %d times in two beats, want 2", n)
+	}
+	if n := sent.count(joinScript); n != 1 {
+		t.Errorf("a beat that Redis did not answer still joined the pollers (%d joins in two beats, want 1)", n)
+	}
+}
+
+// scriptCalls is a go-redis hook that counts the scripts sent, by hash.
+type scriptCalls struct {
+	mu   sync.Mutex
+	sent map[string]int
+}
+
+func (s *scriptCalls) count(script *redis.Script) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.sent[script.Hash()]
+}
+
+func (s *scriptCalls) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (s *scriptCalls) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if args := cmd.Args(); len(args) > 1 && (cmd.Name() == "evalsha" || cmd.Name() == "evalsha_ro") {
+			s.mu.Lock()
+			if s.sent == nil {
+				s.sent = map[string]int{}
+			}
+			s.sent[fmt.Sprint(args[1])]++
+			s.mu.Unlock()
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (s *scriptCalls) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
