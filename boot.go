@@ -232,7 +232,7 @@ func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
 func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	log := componentJobsWorker.log(a.log)
 	riverPool := func(conns int32) (*pgxpool.Pool, error) { return a.newPool(ctx, "river", conns) }
-	j, err := newJobs(jobsDeps{cfg: a.cfg.Jobs, newPool: riverPool, softStop: a.timeouts.jobsSoftStop, rescue: a.timeouts.jobsRescue, instanceID: a.cfg.InstanceID,
+	j, err := newJobs(jobsDeps{cfg: a.cfg.Jobs, newPool: riverPool, hardStop: a.timeouts.hookReserve, rescue: a.timeouts.jobsRescue, instanceID: a.cfg.InstanceID,
 		features: a.features, tracer: a.tracing.tracer, metrics: a.blocks.jobs, log: log,
 		work: workDeps{log: log, call: a.timeouts.jobCall,
 			db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket, masterKey: a.masterKey}})
@@ -240,7 +240,7 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	a.jobs = j
-	// River's soft stop, then a second for the cancelled jobs to return.
+	// The soft stop, then a second for the cancelled jobs to return.
 	a.lc.RegisterShutdownHook(componentJobsWorker, within(a.timeouts.jobsSoftStop+a.timeouts.hookReserve, j.Stop))
 
 	beat := a.heartbeats.RegisterHeartbeat(componentOutboxPoller)

@@ -100,8 +100,8 @@ func TestDashboardInstanceStatusRecords(t *testing.T) {
 // says how many jobs went back to the queue, and what ended the linger.
 func TestDashboardRecordCountsInterruptedJobs(t *testing.T) {
 	env := fastEnv(t)
-	// The 5 s job outlasts River's soft stop (1.4 s of this budget), and
-	// River's own stop has room on a busy machine.
+	// The 5 s job outlasts the soft stop (under a second of this budget),
+	// and its hard stop has room on a busy machine.
 	env["KUMIKO_LINGER"], env["KUMIKO_DRAIN_TIMEOUT"], env["KUMIKO_SHUTDOWN_TIMEOUT"] = "0", "200ms", "3s"
 	s := startInProcess(t, env)
 	res, err := s.app.jobs.client.Insert(context.Background(), sleepArgs{Ms: 5000}, &river.InsertOpts{MaxAttempts: 1})

@@ -31,6 +31,7 @@ type jobs struct {
 	client      *river.Client[pgx.Tx]
 	pool        *pgxpool.Pool             // River's own (newJobs); Stop closes it
 	stopping    atomic.Bool               // Stop has begun: a job cancelled now was interrupted, not failed
+	hardStop    time.Duration             // what Stop keeps of its deadline for cancelled jobs to return
 	subscribers map[string][]subscription // event type → the jobs it triggers
 	manual      map[string]manualJob      // kind → a job an operator may run
 	tracer      trace.Tracer
@@ -41,7 +42,7 @@ type jobs struct {
 type jobsDeps struct {
 	cfg        jobsConfig
 	newPool    func(maxConns int32) (*pgxpool.Pool, error) // River's own pool, lazy
-	softStop   time.Duration                               // how long a stop lets running jobs finish before River cancels them
+	hardStop   time.Duration                               // what a stop keeps of its deadline for cancelled jobs to return
 	rescue     time.Duration                               // River runs a job again once it has been running this long: it was stranded
 	instanceID string
 	features   []feature
@@ -55,7 +56,7 @@ type jobsDeps struct {
 // (phase 13) inserts jobs before the worker starts (phase 14).
 func newJobs(d jobsDeps) (*jobs, error) {
 	workers := river.NewWorkers()
-	j := &jobs{tracer: d.tracer, log: d.log, subscribers: map[string][]subscription{}, manual: map[string]manualJob{}}
+	j := &jobs{hardStop: d.hardStop, tracer: d.tracer, log: d.log, subscribers: map[string][]subscription{}, manual: map[string]manualJob{}}
 	for _, f := range d.features {
 		for _, w := range f.workers {
 			w.register(workers, d.work.usedBy(f))
@@ -84,7 +85,6 @@ func newJobs(d jobsDeps) (*jobs, error) {
 		FetchPollInterval:    d.cfg.PollInterval,
 		JobTimeout:           d.cfg.Timeout,
 		RescueStuckJobsAfter: d.rescue,
-		SoftStopTimeout:      d.softStop,
 		Logger:               riverLogger(d.log),
 		Middleware: []rivertype.Middleware{traceAndCountJobs(d.tracer, d.metrics, j.stopping.Load, d.log),
 			river.JobInsertMiddlewareFunc(insertIntoKindQueue)},
@@ -196,16 +196,20 @@ func insertIntoKindQueue(ctx context.Context, params []*rivertype.JobInsertParam
 // River gets a detached one and lives until Stop.
 func (j *jobs) Start(ctx context.Context) error { return j.client.Start(context.WithoutCancel(ctx)) }
 
-// Stop is River's own soft stop: running jobs may finish for the
-// SoftStopTimeout given to newJobs, then River cancels them. A job cut off
-// this way is interrupted, not failed: River puts it back as available
-// without spending an attempt (River 0.44's interrupted state), it runs again
-// at once here or on another instance, and it is counted
-// kumiko_jobs_total{result="interrupted"} — like a force-closed request, a
-// warning, not a failed shutdown. Only when ctx, the hook's slice of the shutdown budget, ends
-// first are the jobs cancelled here. Stop of an unstarted client returns at
-// once. A stopped client has given back every connection: River's pool
-// closes with it.
+// Stop stops River softly: running jobs may finish until ctx's deadline
+// leaves only hardStop (or half of what is left, if that is less); then
+// River cancels them. A job cut off this way is interrupted, not failed:
+// River puts it back as available without spending an attempt (River 0.44's
+// interrupted state), it runs again at once here or on another instance, and
+// it is counted kumiko_jobs_total{result="interrupted"} — like a
+// force-closed request, a warning, not a failed shutdown.
+//
+// The soft stop ends by the hook's own deadline, not after a time fixed at
+// boot: the steps before this one may have spent much of the budget (a busy
+// machine, a slow database), and a soft stop fixed at boot then outlasted the
+// hook's slice, which made a clean drain exit 1. Stop of an unstarted client
+// returns at once. A stopped client has given back every connection: River's
+// pool closes with it.
 func (j *jobs) Stop(ctx context.Context) error {
 	j.stopping.Store(true)
 	err := j.stopClient(ctx)
@@ -216,18 +220,24 @@ func (j *jobs) Stop(ctx context.Context) error {
 }
 
 func (j *jobs) stopClient(ctx context.Context) error {
-	err := j.client.Stop(ctx)
-	if err == nil || ctx.Err() == nil {
+	soft := ctx
+	if deadline, ok := ctx.Deadline(); ok {
+		var cancel context.CancelFunc
+		soft, cancel = context.WithDeadline(ctx, deadline.Add(-min(j.hardStop, time.Until(deadline)/2)))
+		defer cancel()
+	}
+	err := j.client.Stop(soft)
+	if err == nil || soft.Err() == nil || ctx.Err() != nil {
 		return err
 	}
-	hard, cancel := context.WithTimeout(context.WithoutCancel(ctx), abandonGrace)
-	defer cancel()
-	if err := j.client.StopAndCancel(hard); err != nil {
-		return fmt.Errorf("hard stop of the jobs worker: %w", err)
+	if err := j.client.StopAndCancel(ctx); err != nil {
+		return fmt.Errorf("cancelling the running jobs: %w", err)
 	}
-	j.log.Warn("the shutdown budget ended before the soft stop did: running jobs were cancelled; River will run them again")
+	j.log.Warn(jobsCancelledAtStop)
 	return nil
 }
+
+const jobsCancelledAtStop = "the soft stop ended with jobs running: they were cancelled and River runs them again, no attempt spent"
 
 // jobsFeature is POST /admin/jobs/:name/run, the operator's way to run a job now.
 func jobsFeature() feature {

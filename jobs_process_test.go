@@ -114,7 +114,7 @@ func TestProcessLeaderKill9Failover(t *testing.T) {
 	t.Parallel()
 	env := leaderEnv(t)
 	a := startAs(t, env, "a")
-	becameLeader(a, 10*time.Second) // a leads: it started alone
+	becameLeader(a, bootBudget) // a leads: it started alone
 	b := startAs(t, env, "b")
 	b.waitReady()
 	pool := sharedPool(t, env)
@@ -141,7 +141,7 @@ func TestProcessLeaderSIGTERMHandsOver(t *testing.T) {
 		"KUMIKO_LINGER=0",
 	)
 	a := startAs(t, env, "a")
-	becameLeader(a, 10*time.Second)
+	becameLeader(a, bootBudget)
 	b := startAs(t, env, "b")
 	b.waitReady()
 
@@ -166,7 +166,7 @@ func TestProcessSplitBrainIsFenced(t *testing.T) {
 	t.Parallel()
 	env := leaderEnv(t)
 	a := startAs(t, env, "a")
-	becameLeader(a, 10*time.Second)
+	becameLeader(a, bootBudget)
 	b := startAs(t, env, "b")
 	b.waitReady()
 	pool := sharedPool(t, env)
@@ -208,7 +208,7 @@ func TestProcessCronEveryFiresOnTime(t *testing.T) {
 		"KUMIKO_HEARTBEAT_TTL=2s",
 	)
 	a := startAs(t, env, "a")
-	led := becameLeader(a, 10*time.Second)
+	led := becameLeader(a, bootBudget)
 	pool := sharedPool(t, env)
 
 	// 5 ticks (the take-over tick and four more) take about 8s; the bound
@@ -240,7 +240,7 @@ func TestProcessCronEveryFiresOnTime(t *testing.T) {
 func TestProcessFlushallFencesAndTicksResume(t *testing.T) {
 	env := leaderEnv(t, "KUMIKO_LEADER_LOCK_TTL=2s", "KUMIKO_LEADER_RENEW_INTERVAL=500ms", "KUMIKO_HEARTBEAT_TTL=2s")
 	a := startAs(t, env, "a")
-	becameLeader(a, 10*time.Second)
+	becameLeader(a, bootBudget)
 	ops, _ := a.waitReady()
 	pool := sharedPool(t, env)
 	waitFor(t, 10*time.Second, "two ticks", func() bool { return len(ticks(t, pool)) >= 2 })
@@ -281,7 +281,7 @@ func TestProcessFlushallFencesAndTicksResume(t *testing.T) {
 func TestProcessFencedLeaderStepsDownAndReacquires(t *testing.T) {
 	env := leaderEnv(t)
 	a := startAs(t, env, "a")
-	becameLeader(a, 10*time.Second)
+	becameLeader(a, bootBudget)
 	pool := sharedPool(t, env)
 	waitFor(t, 10*time.Second, "a tick", func() bool { return len(ticks(t, pool)) >= 1 })
 
@@ -309,7 +309,7 @@ func TestProcessMissedTicksRunOnceAndAreCounted(t *testing.T) {
 	t.Parallel()
 	env := leaderEnv(t) // purgeOutbox @every 1s
 	a := startAs(t, env, "a")
-	becameLeader(a, 10*time.Second)
+	becameLeader(a, bootBudget)
 	pool := sharedPool(t, env)
 	waitFor(t, 10*time.Second, "two ticks from a", func() bool { return len(ticks(t, pool)) >= 2 })
 	a.cmd.Process.Kill()
@@ -371,7 +371,7 @@ func TestProcessLeaderHoldsUnderSlowRedis(t *testing.T) {
 	env := leaderEnv(t, "REDIS_URL="+withHost(t, rsrv.URL, proxy.Listen),
 		"KUMIKO_LEADER_LOCK_TTL="+ttl.String(), "KUMIKO_LEADER_RENEW_INTERVAL="+renew.String())
 	a := startAs(t, env, "a")
-	becameLeader(a, 10*time.Second)
+	becameLeader(a, bootBudget)
 	b := startAs(t, env, "b")
 	opsB, _ := b.waitReady()
 	opsA := a.addr("ops")
@@ -441,26 +441,27 @@ func currentLeaderFromPool(t *testing.T, env map[string]string) (string, error) 
 // than the budget is stopped, stays durable, and runs again later.
 func TestProcessJobsAcrossADrain(t *testing.T) {
 	t.Parallel()
-	// River's soft stop gets half of what the drain leaves the release
-	// hooks: (3 s - 200 ms) / 2 = 1.4 s. The short job is seen running for
-	// up to 1 s before the signal (a poll on a busy machine needs a window
-	// that wide) and then finishes within the soft stop; the long one, seen
-	// running first, cannot.
-	env := leaderEnv(t, "KUMIKO_LINGER=0", "KUMIKO_DRAIN_TIMEOUT=200ms", "KUMIKO_SHUTDOWN_TIMEOUT=3s")
+	// The soft stop ends where the jobs worker's slice of the budget leaves
+	// 1 s for the hard stop: of 5 s, less a 200 ms drain and the steps
+	// before it, the slice is about 2.7 s, so the soft stop about 1.7 s.
+	// The short job is seen running for up to 1 s before the signal (a poll
+	// on a busy machine needs a window that wide) and then finishes within
+	// the soft stop; the long one, seen running first, cannot.
+	env := leaderEnv(t, "KUMIKO_LINGER=0", "KUMIKO_DRAIN_TIMEOUT=200ms", "KUMIKO_SHUTDOWN_TIMEOUT=5s")
 	a := startAs(t, env, "a")
 	opsA, _ := a.waitReady()
 	pool := sharedPool(t, env)
-	long := runJob(t, opsA, "sleep", "ms=5000")
+	long := runJob(t, opsA, "sleep", "ms=8000")
 	short := runJob(t, opsA, "sleep", "ms=1000")
 	waitFor(t, 10*time.Second, "both jobs running", func() bool {
 		return jobState(t, pool, long) == "running" && jobState(t, pool, short) == "running"
 	})
 	a.signal(syscall.SIGTERM)
 	if code := a.wait(10 * time.Second); code != 0 {
-		t.Errorf("exit code %d: a job cancelled at the end of the budget is a warning, not a failure", code)
+		t.Errorf("exit code %d: a job cancelled at the end of the soft stop is a warning, not a failure", code)
 	}
-	// River's own soft stop cancelled the long job, and said so.
-	a.waitLog(time.Second, map[string]any{"component": "river", "level": "warning"})
+	// The soft stop ended with the long job running, and said so.
+	a.waitLog(time.Second, map[string]any{"component": "jobsWorker", "level": "warning", "msg": jobsCancelledAtStop})
 	if s := jobState(t, pool, short); s != "completed" {
 		t.Errorf("the short job is %s after the drain, want completed", s)
 	}

@@ -162,7 +162,7 @@ func TestDashboardClusterDrainInHeadlessChromium(t *testing.T) {
 	env["KUMIKO_SHUTDOWN_TIMEOUT"] = "20s"
 	app1 := startAs(t, env, "app1")
 	ops1, api1 := app1.waitReady()
-	becameLeader(app1, 10*time.Second)
+	becameLeader(app1, bootBudget)
 	app2 := startAs(t, env, "app2")
 	ops2, api2 := app2.waitReady()
 	lb := startTestBalancer(t, []struct{ api, ops string }{{api1, ops1}, {api2, ops2}})

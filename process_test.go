@@ -238,10 +238,17 @@ func (p *proc) addr(component string) string {
 	return "http://" + p.waitLog(10*time.Second, map[string]any{"msg": "listening", "component": component})["addr"].(string)
 }
 
+// bootBudget is how long a test waits for a child's boot (to ready, or to a
+// line it logs on the way). A boot takes 1–3 s on an idle machine; with both
+// cores busy and four process-level tests at once, one fresh database's 15
+// migrations took 9.2 s, so a boot of 12 s is possible, and the budget is
+// well above it.
+const bootBudget = 45 * time.Second
+
 // waitReady waits for the state change to ready and returns the ops and API base URLs.
 func (p *proc) waitReady() (ops, api string) {
 	p.t.Helper()
-	p.waitLog(20*time.Second, map[string]any{"event": "state_changed", "to": "ready"})
+	p.waitLog(bootBudget, map[string]any{"event": "state_changed", "to": "ready"})
 	return p.addr("ops"), p.addr("api")
 }
 

@@ -39,9 +39,10 @@ type timeouts struct {
 	// Kept back for each release hook still waiting, so one hung hook cannot
 	// eat the time the DB pool needs to close.
 	hookReserve time.Duration
-	// River's SoftStopTimeout: running jobs may finish for this long, then
-	// River cancels them (they are retried, here or elsewhere). Half of what
-	// the release hooks are sure to have, so the hooks after it keep theirs.
+	// The jobs worker's soft stop: running jobs may finish for this long at
+	// most (less when the hook's slice of the budget leaves less), then they
+	// are cancelled and run again, here or elsewhere. Half of what the
+	// release hooks are sure to have, so the hooks after it keep theirs.
 	jobsSoftStop time.Duration
 
 	// Each release bounded on its own, so a hung Redis or PostgreSQL costs
