@@ -328,6 +328,7 @@ frontend api
 backend apps
   option httpchk GET /health/ready
   http-check expect status 200
+  timeout check 2s
   default-server inter 500ms fall 1 rise 2
 %s`, addr, servers.String())
 	dir := t.TempDir()

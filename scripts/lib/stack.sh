@@ -418,6 +418,7 @@ backend apps
   http-response set-header X-Served-By %s # which instance answered: rollload names it for a failed request
   option httpchk GET /health/ready
   http-check expect status 200
+  timeout check 2s # a late answer is a busy host, not a 503 (deploy/haproxy.cfg)
   default-server inter ${LB_CHECK_INTERVAL:-500ms} fall 1 rise 2
   server app1 127.0.0.1:${API_PORTS[1]} check port ${OPS_PORTS[1]}
   server app2 127.0.0.1:${API_PORTS[2]} check port ${OPS_PORTS[2]}
