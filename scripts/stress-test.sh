@@ -52,10 +52,11 @@ for i in $(seq 1 "$runs"); do
   logs+=("$log")
   start=$SECONDS
   # -json: flaketable reads which test failed and what it printed first.
+  # -parallel 4: the suite's own parallelism (scripts/test.sh).
   if ((suite)); then
     scripts/test.sh -json "$@" >"$log" 2>&1 && ok=1 || ok=0
   else
-    go test -race -count=1 -parallel 4 -timeout 30m -json "$@" ./... # as scripts/test.sh >"$log" 2>&1 && ok=1 || ok=0
+    go test -race -count=1 -parallel 4 -timeout 30m -json "$@" ./... >"$log" 2>&1 && ok=1 || ok=0
   fi
   ((ok)) || failed=$((failed + 1))
   printf 'run %2d/%d  %s  %4ds\n' "$i" "$runs" "$( ((ok)) && echo pass || echo FAIL)" "$((SECONDS - start))"
