@@ -442,22 +442,22 @@ func currentLeaderFromPool(t *testing.T, env map[string]string) (string, error) 
 func TestProcessJobsAcrossADrain(t *testing.T) {
 	t.Parallel()
 	// The soft stop ends where the jobs worker's slice of the budget leaves
-	// 1 s for the hard stop: of 5 s, less a 200 ms drain and the steps
-	// before it, the slice is about 2.7 s, so the soft stop about 1.7 s.
-	// The short job is seen running for up to 1 s before the signal (a poll
-	// on a busy machine needs a window that wide) and then finishes within
-	// the soft stop; the long one, seen running first, cannot.
-	env := leaderEnv(t, "KUMIKO_LINGER=0", "KUMIKO_DRAIN_TIMEOUT=200ms", "KUMIKO_SHUTDOWN_TIMEOUT=5s")
+	// 1 s for the hard stop: of 10 s, less a 200 ms drain and the steps
+	// before it, the slice is about 5.7 s, so the soft stop about 4.7 s. The
+	// short job (3 s) is running when the signal comes, so it finishes
+	// within the soft stop; the long one (60 s) cannot. Both windows are
+	// wide, so polls on a busy machine see them running. The job timeout is
+	// far above the long job, so only the drain stops it.
+	env := leaderEnv(t, "KUMIKO_LINGER=0", "KUMIKO_DRAIN_TIMEOUT=200ms", "KUMIKO_SHUTDOWN_TIMEOUT=10s", "KUMIKO_JOBS_TIMEOUT=5m")
 	a := startAs(t, env, "a")
 	opsA, _ := a.waitReady()
 	pool := sharedPool(t, env)
-	long := runJob(t, opsA, "sleep", "ms=8000")
-	short := runJob(t, opsA, "sleep", "ms=1000")
-	waitFor(t, 10*time.Second, "both jobs running", func() bool {
-		return jobState(t, pool, long) == "running" && jobState(t, pool, short) == "running"
-	})
+	long := runJob(t, opsA, "sleep", "ms=60000")
+	waitFor(t, 30*time.Second, "the long job running", func() bool { return jobState(t, pool, long) == "running" })
+	short := runJob(t, opsA, "sleep", "ms=3000")
+	waitFor(t, 30*time.Second, "the short job running", func() bool { return jobState(t, pool, short) == "running" })
 	a.signal(syscall.SIGTERM)
-	if code := a.wait(10 * time.Second); code != 0 {
+	if code := a.wait(20 * time.Second); code != 0 {
 		t.Errorf("exit code %d: a job cancelled at the end of the soft stop is a warning, not a failure", code)
 	}
 	// The soft stop ended with the long job running, and said so.
@@ -465,13 +465,13 @@ func TestProcessJobsAcrossADrain(t *testing.T) {
 	if s := jobState(t, pool, short); s != "completed" {
 		t.Errorf("the short job is %s after the drain, want completed", s)
 	}
-	if s := jobState(t, pool, long); s == "completed" || s == "discarded" || s == "cancelled" {
-		t.Fatalf("the long job is %s after the drain, want it kept for another run", s)
+	if s := jobState(t, pool, long); s != "available" {
+		t.Fatalf("the long job is %s after the drain, want it available again (interrupted)", s)
 	}
+	// Kept for another run: the next instance picks it up at once.
 	b := startAs(t, env, "b")
 	b.waitReady()
-	// Interrupted, not failed: it is available again at once, with no attempt spent.
-	waitFor(t, 30*time.Second, "the stopped job to run again and complete", func() bool { return jobState(t, pool, long) == "completed" })
+	waitFor(t, 30*time.Second, "the interrupted job running again, on b", func() bool { return jobState(t, pool, long) == "running" })
 }
 
 // riverRescueRounds is what River adds to the rescue delay, in rounds it
@@ -496,7 +496,10 @@ func strandedJobBound(jobTimeout time.Duration) time.Duration {
 // looks every 30 s. Here the survivor also waits for River's own leadership
 // (the dead instance held it for 15 s more), which the rescue delay of a
 // default job timeout hides. About 20 s of waiting: in parallel, the other
-// tests run meanwhile.
+// tests run meanwhile. The test waits twice the bound: River's leadership
+// and rescue rounds are timers of its own, which a machine with both cores
+// busy stretches (47.6 s were exceeded with a load of 27 on two cores); the
+// time it took is printed, against the bound.
 func TestProcessJobOfCrashedWorkerIsRescued(t *testing.T) {
 	t.Parallel()
 	const jobTimeout = 1500 * time.Millisecond
@@ -515,7 +518,7 @@ func TestProcessJobOfCrashedWorkerIsRescued(t *testing.T) {
 	bound := strandedJobBound(jobTimeout)
 	var attempts int
 	var again time.Time // when the rescued job started again
-	waitFor(t, bound, "the stranded job to run again on b", func() bool {
+	waitFor(t, 2*bound, "the stranded job to run again on b", func() bool {
 		pool.QueryRow(context.Background(), `SELECT attempt, attempted_at FROM river_job WHERE id = $1`, id).Scan(&attempts, &again)
 		return attempts >= 2
 	})
