@@ -20,6 +20,43 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
+// outboxConfig is the outbox block's settings.
+type outboxConfig struct {
+	BatchSize    uint
+	PollInterval time.Duration
+	Listen       bool
+	MaxAttempts  uint
+	RetryBase    time.Duration
+	RetryMax     time.Duration
+	Retention    time.Duration
+	PurgeCron    string
+}
+
+func (c *outboxConfig) settings() []configSetting {
+	return []configSetting{
+		{key: "outbox.batchSize", env: "KUMIKO_OUTBOX_BATCH_SIZE", def: "100", value: uintValue{p: &c.BatchSize, min: 1, max: 10000},
+			doc: "events claimed and delivered per transaction"},
+		{key: "outbox.pollInterval", env: "KUMIKO_OUTBOX_POLL_INTERVAL", def: "1s", value: durationValue{p: &c.PollInterval},
+			doc: "fallback when no NOTIFY wakes the poller", old: "outbox.pollIntervalSec"},
+		{key: "outbox.listen", env: "KUMIKO_OUTBOX_LISTEN", def: "true", value: boolValue{p: &c.Listen},
+			doc: "LISTEN/NOTIFY wake-ups; false behind PgBouncer in transaction mode"},
+		{key: "outbox.maxAttempts", env: "KUMIKO_OUTBOX_MAX_ATTEMPTS", def: "10", value: uintValue{p: &c.MaxAttempts, min: 1},
+			doc: "failed deliveries before an event is dead (dead_at)"},
+		{key: "outbox.retryBase", env: "KUMIKO_OUTBOX_RETRY_BASE", def: "1s", value: durationValue{p: &c.RetryBase},
+			doc: "first delay after a failed delivery; doubles", old: "outbox.retryBaseSec"},
+		{key: "outbox.retryMax", env: "KUMIKO_OUTBOX_RETRY_MAX", def: "5m", value: durationValue{p: &c.RetryMax},
+			doc: "cap on that delay", old: "outbox.retryMaxSec"},
+		{key: "outbox.retention", env: "KUMIKO_OUTBOX_RETENTION", def: "168h", value: durationValue{p: &c.Retention},
+			doc: "delivered events older than this (7 days) are deleted; pending and dead ones are kept", old: "outbox.retentionSec"},
+		{key: "outbox.purgeCron", env: "KUMIKO_OUTBOX_PURGE_CRON", def: "@hourly", value: textValue{p: &c.PurgeCron},
+			doc: "when the leader enqueues the retention job (purgeOutbox)"},
+	}
+}
+
+func (c *outboxConfig) validate() []error {
+	return rule(c.RetryBase <= c.RetryMax, "outbox.retryBase (%s) must not exceed retryMax (%s)", c.RetryBase, c.RetryMax)
+}
+
 const (
 	// outboxNotifyChannel is the Postgres channel the insert trigger notifies.
 	outboxNotifyChannel = "outbox_events"
@@ -103,11 +140,19 @@ type outboxPoller struct {
 // loses nothing. A batch the drain's share could not finish (a slow shared
 // database) rolled back, and its events stay pending for the next poller:
 // the step is logged as failed, but it does not turn the exit code to 1.
-// Goroutines that outlived the hard stop still do.
+// Neither do goroutines that outlived the hard stop's short grace (seen on a
+// machine with a load of 27: the listener had not yet been scheduled to
+// see its cancel): the step logs them and the diagnostics dump where they
+// were, which is what tells a hang from a late return.
 func (p *outboxPoller) stopLosingNothing(ctx context.Context) error {
 	err := p.Stop(ctx)
-	if errors.Is(err, errStoppedHard) {
+	switch {
+	case errors.Is(err, errStoppedHard):
 		return &bestEffortError{err: fmt.Errorf("%w; the batch in hand rolled back and its events stay pending", err)}
+	case errors.Is(err, errStillRunning):
+		// Cancelled, not yet returned: a delivery commits or rolls back
+		// whole, and the db step waits for its connection, bounded.
+		return &bestEffortError{err: fmt.Errorf("%w; its batch commits or rolls back whole, nothing is lost", err)}
 	}
 	return err
 }
