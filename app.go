@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"runtime/debug"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -78,6 +79,37 @@ func newApp(getenv func(string) string, environ []string, stdout io.Writer) *app
 	a.blocks = newBlockMetrics(m.registry)
 	a.stop = newStopper(log)
 	return a
+}
+
+// blockConfig is the building blocks' settings. Each block declares its
+// config type, its rows and its rules in its own file (outboxConfig in
+// outbox.go, …); config embeds this, so a.cfg.Outbox reads as a field of the
+// config, and its settings come after the core's.
+type blockConfig struct {
+	Redis          redisConfig
+	Heartbeat      heartbeatConfig
+	Outbox         outboxConfig
+	Jobs           jobsConfig
+	Backlog        backlogConfig
+	LeaderElection leaderElectionConfig
+	SSE            sseConfig
+	Search         searchConfig
+	Storage        storageConfig
+	Orders         ordersConfig // demo:begin (this line) demo:end
+}
+
+func (b *blockConfig) settings() []configSetting {
+	return slices.Concat(b.Redis.settings(), b.Heartbeat.settings(), b.Outbox.settings(), b.Jobs.settings(), b.Backlog.settings(),
+		b.LeaderElection.settings(), b.SSE.settings(), b.Search.settings(), b.Storage.settings(),
+		b.Orders.settings(), // demo:begin (this line) demo:end
+	)
+}
+
+// validate checks the blocks' rules that span several settings; c is the
+// whole config, for a rule that names a core setting too.
+func (b *blockConfig) validate(c *config) []error {
+	return slices.Concat(b.Heartbeat.validate(), b.Outbox.validate(), b.LeaderElection.validate(), b.SSE.validate(c.HTTP),
+		b.Storage.validate())
 }
 
 // blockMetrics is what the building blocks add to /metrics. Each block

@@ -13,6 +13,16 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
+// backlogConfig is the backlog watch's setting.
+type backlogConfig struct{ Max uint }
+
+func (c *backlogConfig) settings() []configSetting {
+	return []configSetting{
+		{key: "jobs.backlogMax", env: "KUMIKO_JOBS_BACKLOG_MAX", def: "10000", value: uintValue{p: &c.Max, min: 1},
+			doc: "jobs waiting to be worked past which the API's answers say Follow-Up-Delayed and the log warns; the service keeps serving (backlog.go)"},
+	}
+}
+
 // The jobs backlog: the jobs that wait to be worked (River's state
 // "available": due, and taken by no worker yet). Work arrives with the
 // requests, faster than the workers finish it if the service takes more than

@@ -47,7 +47,7 @@ func BenchmarkOutboxThroughput(b *testing.B) {
 			b.Run(fmt.Sprintf("rtt=%s/pollers=%d", rtt, pollers), func(b *testing.B) {
 				f := newOutboxFixture(b)
 				defaults := defaultConfig()
-				f.cfg, f.beatEvery = defaults.Outbox, defaults.Lifecycle.Heartbeat.Interval
+				f.cfg, f.beatEvery = defaults.Outbox, defaults.Heartbeat.Interval
 				conn := f.db.Config().ConnString()
 				if rtt > 0 {
 					conn = behindLatency(b, conn, rtt)

@@ -219,7 +219,7 @@ func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
 	a.lc.RegisterShutdownHook(componentClusterStatus, bestEffort(within(a.timeouts.redisRelease, a.status.Stop)))
 	// Heartbeat keys live in Redis. Their hook is registered after the client's,
 	// so LIFO deletes them after the workers stop and before the client closes.
-	a.heartbeats = newHeartbeats(a.redis, a.cfg.InstanceID, a.cfg.Lifecycle.Heartbeat.TTL, a.timeouts.backgroundCall, a.blocks.heartbeat, a.health)
+	a.heartbeats = newHeartbeats(a.redis, a.cfg.InstanceID, a.cfg.Heartbeat.TTL, a.timeouts.backgroundCall, a.blocks.heartbeat, a.health)
 	a.lc.RegisterShutdownHook(componentHeartbeats, bestEffort(within(a.timeouts.redisRelease, a.heartbeats.clear)))
 	return nil
 }
@@ -245,8 +245,8 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 
 	beat := a.heartbeats.RegisterHeartbeat(componentOutboxPoller)
 	poller := newOutboxPoller(outboxPollerDeps{db: a.db, redis: a.redis, cfg: a.cfg.Outbox, beat: beat,
-		beatEvery: a.cfg.Lifecycle.Heartbeat.Interval, instanceID: a.cfg.InstanceID,
-		memberTTL: a.cfg.Lifecycle.Heartbeat.TTL, redisCall: a.timeouts.backgroundCall, insertJobs: insertTriggeredJobs(j), log: a.log, metrics: a.blocks.outbox, onPanic: a.panicked})
+		beatEvery: a.cfg.Heartbeat.Interval, instanceID: a.cfg.InstanceID,
+		memberTTL: a.cfg.Heartbeat.TTL, redisCall: a.timeouts.backgroundCall, insertJobs: insertTriggeredJobs(j), log: a.log, metrics: a.blocks.outbox, onPanic: a.panicked})
 	if err := a.retry(ctx, p, componentOutboxPoller, 3, poller.Start); err != nil {
 		return err
 	}
@@ -266,12 +266,12 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	jobsBeat := newBeatLoop(componentJobsHeartbeat, a.heartbeats.RegisterHeartbeat(componentJobsWorker),
-		a.cfg.Lifecycle.Heartbeat.Interval, a.log, a.panicked)
+		a.cfg.Heartbeat.Interval, a.log, a.panicked)
 	if err := jobsBeat.Start(ctx); err != nil {
 		return err
 	}
 	a.lc.RegisterShutdownHook(componentJobsHeartbeat, jobsBeat.Stop)
-	backlog := newBacklogWatch(backlogWatchDeps{db: a.db, bound: a.cfg.Jobs.BacklogMax, interval: a.cfg.Lifecycle.Heartbeat.Interval,
+	backlog := newBacklogWatch(backlogWatchDeps{db: a.db, bound: a.cfg.Backlog.Max, interval: a.cfg.Heartbeat.Interval,
 		call: a.timeouts.backgroundCall, metrics: a.blocks.backlog, log: a.log, onPanic: a.panicked})
 	if err := backlog.Start(ctx); err != nil {
 		return err
@@ -279,13 +279,13 @@ func (a *app) jobsWorker(ctx context.Context, p *phaseRun) error {
 	a.backlog = backlog
 	a.lc.RegisterShutdownHook(componentJobsBacklog, backlog.Stop)
 
-	le := a.cfg.Lifecycle.LeaderElection
+	le := a.cfg.LeaderElection
 	if !le.Enabled {
 		a.health.RegisterSkipped("schedulerLeader", "KUMIKO_LEADER_ENABLED=false: this instance schedules no cron jobs")
 		return nil
 	}
 	sched := &scheduler{db: a.db, jobs: a.jobs, crons: cronsOf(a.features),
-		beat: a.heartbeats.RegisterHeartbeat(componentScheduler), beatInt: a.cfg.Lifecycle.Heartbeat.Interval,
+		beat: a.heartbeats.RegisterHeartbeat(componentScheduler), beatInt: a.cfg.Heartbeat.Interval,
 		skipped: a.blocks.cron.ticksSkipped, onPanic: a.panicked, log: componentScheduler.log(a.log)}
 	el := newElector(electorDeps{redis: a.redis, redisOpts: a.redisOpts, instanceID: a.cfg.InstanceID, ttl: le.LockTTL, renew: le.RenewInterval,
 		timeouts: a.timeouts, lead: sched.lead, fence: sched.fence, log: a.log, metrics: a.blocks.leader, onPanic: a.panicked})

@@ -29,6 +29,8 @@ const envPrefix = "KUMIKO_"
 // precedence, built-in defaults, kumiko.config.yaml and the environment.
 // Each field is declared here by name and type only: its file key,
 // environment name, default, rules and meaning are its one line in settings().
+// The building blocks' settings are declared in their own files, the same
+// way, and gathered in blockConfig (app.go).
 type config struct {
 	InstanceID    string
 	HTTPAddr      string
@@ -37,18 +39,13 @@ type config struct {
 	AdminToken    string
 	DatabaseURL   string
 	DB            dbConfig
-	RedisURL      string
-	Search        searchConfig
-	Storage       storageConfig
 	MasterKey     string // decoded and checked where it is used, not here
 	MasterKeyFile string
-	Outbox        outboxConfig
-	SSE           sseConfig
-	Jobs          jobsConfig
 	HTTP          httpConfig
 	Lifecycle     lifecycleConfig
 	Diagnostics   diagnosticsConfig
 	UnknownEnv    string // what a KUMIKO_ variable no setting reads does: "error" or "warn"
+	blockConfig
 
 	// deprecated lists the old file keys that were read, for phase 1 to warn about.
 	deprecated []deprecatedKey
@@ -65,39 +62,6 @@ type dbConfig struct {
 	// IdleInTransactionTimeout: no transaction of the service waits between
 	// its statements; one that does belongs to a frozen process.
 	IdleInTransactionTimeout time.Duration
-}
-
-type outboxConfig struct {
-	BatchSize    uint
-	PollInterval time.Duration
-	Listen       bool
-	MaxAttempts  uint
-	RetryBase    time.Duration
-	RetryMax     time.Duration
-	Retention    time.Duration
-	PurgeCron    string
-}
-
-type jobsConfig struct {
-	Workers      uint
-	PollInterval time.Duration
-	Timeout      time.Duration
-	BacklogMax   uint
-	// demo:begin (the orders demo's setting; scripts/new-service.sh --bare removes this block)
-	ReportCron string
-	// demo:end
-}
-
-type sseConfig struct {
-	MaxStreams      uint
-	Heartbeat       time.Duration
-	RetryHint       time.Duration
-	WriteTimeout    time.Duration
-	MaxStreamsPerIP uint
-	// The drain spreads the streams' reconnects over a window of
-	// ReconnectSpreadPerStream per open stream, at most ReconnectSpread.
-	ReconnectSpread          time.Duration
-	ReconnectSpreadPerStream time.Duration
 }
 
 // httpConfig bounds what a client can hold on both listeners and how fast one
@@ -122,19 +86,6 @@ type httpConfig struct {
 	TrustedProxies    []netip.Prefix
 }
 
-type searchConfig struct {
-	URL    string
-	APIKey string
-}
-
-type storageConfig struct {
-	Endpoint  string
-	AccessKey string
-	SecretKey string
-	Bucket    string
-	UseSSL    bool
-}
-
 type lifecycleConfig struct {
 	StartupTimeout            time.Duration
 	ShutdownTimeout           time.Duration
@@ -148,8 +99,6 @@ type lifecycleConfig struct {
 	ConnectRetryBase          time.Duration
 	ConnectRetryMax           time.Duration
 	Migrations                migrationsConfig
-	LeaderElection            leaderElectionConfig
-	Heartbeat                 heartbeatConfig
 	Readiness                 readinessConfig
 }
 
@@ -166,17 +115,6 @@ type diagnosticsConfig struct {
 type migrationsConfig struct {
 	Mode           string
 	SchemaBaseline uint
-}
-
-type leaderElectionConfig struct {
-	Enabled       bool
-	LockTTL       time.Duration
-	RenewInterval time.Duration
-}
-
-type heartbeatConfig struct {
-	Interval time.Duration
-	TTL      time.Duration
 }
 
 type readinessConfig struct {
@@ -198,9 +136,30 @@ type configSetting struct {
 	old      string       // a former file key, still read with a warning
 }
 
-// settings is the one place where each setting is declared. The values point
-// into c, so setting one writes the config.
+// settings is the one place where each setting of the core is declared; the
+// blocks' follow, each joining the file's section it names (a heartbeat's
+// lifecycle.heartbeat.* with the core's lifecycle.*), so the file, the docs
+// and the log show each section once. The values point into c, so setting
+// one writes the config.
 func (c *config) settings() []configSetting {
+	return bySection(append(c.coreSettings(), c.blockConfig.settings()...))
+}
+
+// bySection sorts settings by the first appearance of their top-level
+// section, keeping the order within one.
+func bySection(settings []configSetting) []configSetting {
+	top := func(key string) string { return strings.SplitN(key, ".", 2)[0] }
+	first := map[string]int{}
+	for i, s := range settings {
+		if _, ok := first[top(s.key)]; !ok {
+			first[top(s.key)] = i
+		}
+	}
+	slices.SortStableFunc(settings, func(a, b configSetting) int { return first[top(a.key)] - first[top(b.key)] })
+	return settings
+}
+
+func (c *config) coreSettings() []configSetting {
 	l := &c.Lifecycle
 	return []configSetting{
 		{key: "instanceId", env: "KUMIKO_INSTANCE_ID", value: textValue{p: &c.InstanceID},
@@ -253,71 +212,10 @@ func (c *config) settings() []configSetting {
 			doc: "a statement waiting this long for a lock fails (lock_timeout); migrations wait up to the phase timeout"},
 		{key: "database.idleInTransactionTimeout", env: "KUMIKO_DB_IDLE_IN_TRANSACTION_TIMEOUT", def: "5s", value: durationValue{p: &c.DB.IdleInTransactionTimeout},
 			doc: "the server ends a session that holds a transaction open this long between statements: a frozen or cut-off instance frees its locks (the scheduler's fence, a claimed delivery batch)"},
-		{key: "redis.url", env: "REDIS_URL", value: urlValue{p: &c.RedisURL, schemes: []string{"redis", "rediss", "unix"}},
-			doc: "redis://host:6379/0", required: true},
-		{key: "search.url", env: "MEILI_URL", value: urlValue{p: &c.Search.URL, schemes: []string{"http", "https"}},
-			doc: "Meilisearch; empty skips phase 11"},
-		{key: "search.apiKey", env: "MEILI_API_KEY", value: secretValue{p: &c.Search.APIKey},
-			doc: "Meilisearch API key"},
-		{key: "storage.endpoint", env: "S3_ENDPOINT", value: addrValue{p: &c.Storage.Endpoint, optional: true},
-			doc: "S3 server; empty skips phase 12"},
-		{key: "storage.accessKey", env: "S3_ACCESS_KEY", value: secretValue{p: &c.Storage.AccessKey},
-			doc: "S3 access key, required with an endpoint"},
-		{key: "storage.secretKey", env: "S3_SECRET_KEY", value: secretValue{p: &c.Storage.SecretKey},
-			doc: "S3 secret key, required with an endpoint"},
-		{key: "storage.bucket", env: "S3_BUCKET", def: "kumiko-demo", value: textValue{p: &c.Storage.Bucket},
-			doc: "the bucket the features write their files to, created at boot when missing"},
-		{key: "storage.useSSL", env: "S3_USE_SSL", def: "false", value: boolValue{p: &c.Storage.UseSSL},
-			doc: "talk TLS to the S3 server"},
 		{key: "secrets.masterKey", env: "KUMIKO_MASTER_KEY", value: secretValue{p: &c.MasterKey},
 			doc: "base64 of 32 bytes (`head -c 32 /dev/urandom | base64`); set this or masterKeyFile"},
 		{key: "secrets.masterKeyFile", env: "KUMIKO_MASTER_KEY_FILE", value: textValue{p: &c.MasterKeyFile},
 			doc: "a mounted secret holding the base64 master key"},
-
-		{key: "outbox.batchSize", env: "KUMIKO_OUTBOX_BATCH_SIZE", def: "100", value: uintValue{p: &c.Outbox.BatchSize, min: 1, max: 10000},
-			doc: "events claimed and delivered per transaction"},
-		{key: "outbox.pollInterval", env: "KUMIKO_OUTBOX_POLL_INTERVAL", def: "1s", value: durationValue{p: &c.Outbox.PollInterval},
-			doc: "fallback when no NOTIFY wakes the poller", old: "outbox.pollIntervalSec"},
-		{key: "outbox.listen", env: "KUMIKO_OUTBOX_LISTEN", def: "true", value: boolValue{p: &c.Outbox.Listen},
-			doc: "LISTEN/NOTIFY wake-ups; false behind PgBouncer in transaction mode"},
-		{key: "outbox.maxAttempts", env: "KUMIKO_OUTBOX_MAX_ATTEMPTS", def: "10", value: uintValue{p: &c.Outbox.MaxAttempts, min: 1},
-			doc: "failed deliveries before an event is dead (dead_at)"},
-		{key: "outbox.retryBase", env: "KUMIKO_OUTBOX_RETRY_BASE", def: "1s", value: durationValue{p: &c.Outbox.RetryBase},
-			doc: "first delay after a failed delivery; doubles", old: "outbox.retryBaseSec"},
-		{key: "outbox.retryMax", env: "KUMIKO_OUTBOX_RETRY_MAX", def: "5m", value: durationValue{p: &c.Outbox.RetryMax},
-			doc: "cap on that delay", old: "outbox.retryMaxSec"},
-		{key: "outbox.retention", env: "KUMIKO_OUTBOX_RETENTION", def: "168h", value: durationValue{p: &c.Outbox.Retention},
-			doc: "delivered events older than this (7 days) are deleted; pending and dead ones are kept", old: "outbox.retentionSec"},
-		{key: "outbox.purgeCron", env: "KUMIKO_OUTBOX_PURGE_CRON", def: "@hourly", value: textValue{p: &c.Outbox.PurgeCron},
-			doc: "when the leader enqueues the retention job (purgeOutbox)"},
-
-		{key: "jobs.workers", env: "KUMIKO_JOBS_WORKERS", def: "100", value: uintValue{p: &c.Jobs.Workers, min: 1},
-			doc: "jobs of one kind worked at once by this instance (each kind has its queue); River fetches at most this many every 100 ms, so short jobs need many"},
-		{key: "jobs.pollInterval", env: "KUMIKO_JOBS_POLL_INTERVAL", def: "1s", value: durationValue{p: &c.Jobs.PollInterval},
-			doc: "River's fetch poll, the fallback to its LISTEN", old: "jobs.pollIntervalSec"},
-		{key: "jobs.timeout", env: "KUMIKO_JOBS_TIMEOUT", def: "30s", value: durationValue{p: &c.Jobs.Timeout},
-			doc: "a job running longer is cancelled and retried; a job whose worker died (or whose fetch's answer was lost) is run again once it has been running this + 10 s, by River's rescuer, which looks every 30 s", old: "jobs.timeoutSec"},
-		{key: "jobs.backlogMax", env: "KUMIKO_JOBS_BACKLOG_MAX", def: "10000", value: uintValue{p: &c.Jobs.BacklogMax, min: 1},
-			doc: "jobs waiting to be worked past which the API's answers say Follow-Up-Delayed and the log warns; the service keeps serving (backlog.go)"},
-		// demo:begin (the orders demo's setting; scripts/new-service.sh --bare removes this block)
-		{key: "jobs.reportCron", env: "KUMIKO_REPORT_CRON", def: "*/5 * * * *", value: textValue{p: &c.Jobs.ReportCron},
-			doc: "the orders demo's periodic report: 5 cron fields, 6 with seconds, or @every 10s"},
-		// demo:end
-
-		{key: "sse.maxStreams", env: "KUMIKO_SSE_MAX_STREAMS", def: "5000", value: uintValue{p: &c.SSE.MaxStreams, min: 1},
-			doc: "open event streams per instance; beyond, 503 (5,000 measured safe on 2 cores)"},
-		{key: "sse.heartbeat", env: "KUMIKO_SSE_HEARTBEAT", def: "15s", value: durationValue{p: &c.SSE.Heartbeat},
-			doc: "comment lines that keep idle proxies from closing a stream", old: "sse.heartbeatSec"},
-		{key: "sse.retry", env: "KUMIKO_SSE_RETRY", def: "1s", value: durationValue{p: &c.SSE.RetryHint},
-			doc: "the retry: hint a client waits before reconnecting", old: "sse.retrySec"},
-		{key: "sse.reconnectSpread", env: "KUMIKO_SSE_RECONNECT_SPREAD", def: "10s", value: durationValue{p: &c.SSE.ReconnectSpread, zeroOK: true},
-			doc: "the drain spreads its streams' reconnects over up to this (and at most the drain budget): each goodbye's retry: hint differs, the streams close over the first half; 0: all at once"},
-		{key: "sse.reconnectSpreadPerStream", env: "KUMIKO_SSE_RECONNECT_SPREAD_PER_STREAM", def: "2ms", value: durationValue{p: &c.SSE.ReconnectSpreadPerStream},
-			doc: "the spread grows by this per open stream (5,000 streams: 10s, 500 per second on the instances they move to; 1 stream: no wait)"},
-		{key: "sse.writeTimeout", env: "KUMIKO_SSE_WRITE_TIMEOUT", def: "10s", value: durationValue{p: &c.SSE.WriteTimeout},
-			doc: "a stream that moves less than 16 KB to its client within this is dropped: a stalled reader cannot pin a handler, a slow steady one is not cut", old: "sse.writeTimeoutSec"},
-		{key: "sse.maxStreamsPerIp", env: "KUMIKO_SSE_MAX_STREAMS_PER_IP", def: "20", value: uintValue{p: &c.SSE.MaxStreamsPerIP},
-			doc: "open streams per client address; beyond, 429; 0 turns the cap off"},
 
 		{key: "lifecycle.startupTimeout", env: "KUMIKO_STARTUP_TIMEOUT", def: "120s", value: durationValue{p: &l.StartupTimeout},
 			doc: "the whole boot, from process start to ready", old: "lifecycle.startupTimeoutSec"},
@@ -346,16 +244,6 @@ func (c *config) settings() []configSetting {
 			doc:   "what phase 9 does with pending migrations"},
 		{key: "lifecycle.migrations.schemaBaseline", env: "KUMIKO_SCHEMA_BASELINE", def: "0", value: uintValue{p: &l.Migrations.SchemaBaseline},
 			doc: "oldest schema version this binary accepts; 0 turns phase 8 off"},
-		{key: "lifecycle.leaderElection.enabled", env: "KUMIKO_LEADER_ENABLED", def: "true", value: boolValue{p: &l.LeaderElection.Enabled},
-			doc: "elect one leader to schedule the cron jobs"},
-		{key: "lifecycle.leaderElection.lockTtl", env: "KUMIKO_LEADER_LOCK_TTL", def: "15s", value: durationValue{p: &l.LeaderElection.LockTTL},
-			doc: "the leader lock expires this long after its last renewal", old: "lifecycle.leaderElection.lockTtlSec"},
-		{key: "lifecycle.leaderElection.renewInterval", env: "KUMIKO_LEADER_RENEW_INTERVAL", def: "5s", value: durationValue{p: &l.LeaderElection.RenewInterval},
-			doc: "the leader renews its lock this often (four times as often after a failed renewal); it steps down one interval before the lock can expire, so at most lockTtl/2.2", old: "lifecycle.leaderElection.heartbeatIntervalSec"},
-		{key: "lifecycle.heartbeat.interval", env: "KUMIKO_HEARTBEAT_INTERVAL", def: "5s", value: durationValue{p: &l.Heartbeat.Interval},
-			doc: "workers write `kumiko:heartbeat:<worker>:<instance>` this often", old: "lifecycle.heartbeat.intervalSec"},
-		{key: "lifecycle.heartbeat.ttl", env: "KUMIKO_HEARTBEAT_TTL", def: "10s", value: durationValue{p: &l.Heartbeat.TTL},
-			doc: "a heartbeat older than this is stale: readiness 503", old: "lifecycle.heartbeat.ttlSec"},
 		{key: "lifecycle.readiness.probeTimeout", env: "KUMIKO_READINESS_PROBE_TIMEOUT", def: "1s", value: durationValue{p: &l.Readiness.ProbeTimeout},
 			doc: "one run of one readiness check; a check that hangs longer counts as failed", old: "lifecycle.readiness.probeTimeoutSec"},
 		{key: "lifecycle.readiness.probePeriod", env: "KUMIKO_READINESS_PROBE_PERIOD", def: "1s", value: durationValue{p: &l.Readiness.ProbePeriod},
@@ -472,51 +360,34 @@ func defaultInstanceID(getenv func(string) string) string {
 // validate checks the rules that span several settings; the rules of one
 // setting are in its value, in the table.
 func (c *config) validate() []error {
-	var problems []error
-	check := func(ok bool, format string, args ...any) {
-		if !ok {
-			problems = append(problems, fmt.Errorf(format, args...))
-		}
-	}
-	l, le, hb := c.Lifecycle, c.Lifecycle.LeaderElection, c.Lifecycle.Heartbeat
-
+	l := c.Lifecycle
 	// Port 0 asks the kernel for a free port, so two ":0" listeners never collide.
 	httpPort, opsPort := portOf(c.HTTPAddr), portOf(c.OpsAddr)
-	check(httpPort != opsPort || httpPort == "0" || httpPort == "",
-		"http.addr (%s) and ops.addr (%s) must use different ports", c.HTTPAddr, c.OpsAddr)
+	return slices.Concat(
+		rule(httpPort != opsPort || httpPort == "0" || httpPort == "",
+			"http.addr (%s) and ops.addr (%s) must use different ports", c.HTTPAddr, c.OpsAddr),
+		rule(c.MasterKey == "" || c.MasterKeyFile == "",
+			"secrets.masterKey and secrets.masterKeyFile (KUMIKO_MASTER_KEY, KUMIKO_MASTER_KEY_FILE) are both set; set only one"),
+		rule(l.DrainTimeout+l.Linger < l.ShutdownTimeout,
+			"lifecycle.shutdownTimeout (%s) must be longer than drainTimeout + linger (%s + %s): "+
+				"the rest of the shutdown, stopping workers and closing connections, needs time after the drain",
+			l.ShutdownTimeout, l.DrainTimeout, l.Linger),
+		rule(l.ConnectRetryBase <= l.ConnectRetryMax,
+			"lifecycle.connectRetryBase (%s) must not exceed connectRetryMax (%s), the cap on a single delay",
+			l.ConnectRetryBase, l.ConnectRetryMax),
+		rule(c.HTTP.RateLimit == 0 || c.HTTP.RateBurst >= 1, "http.rateBurst must be at least 1 when http.rateLimit is set"),
+		rule(c.HTTP.ConcurrencyMax == 0 || c.HTTP.ConcurrencyMin <= c.HTTP.ConcurrencyMax,
+			"http.concurrencyMin (%d) must not exceed concurrencyMax (%d)", c.HTTP.ConcurrencyMin, c.HTTP.ConcurrencyMax),
+		c.blockConfig.validate(c),
+	)
+}
 
-	s := c.Storage
-	check(s.Endpoint == "" || (s.AccessKey != "" && s.SecretKey != ""),
-		"storage.accessKey and storage.secretKey (S3_ACCESS_KEY, S3_SECRET_KEY) are required when storage.endpoint is set")
-	check(s.Endpoint == "" || s.Bucket != "", "storage.bucket must not be empty when storage.endpoint is set")
-	check(c.MasterKey == "" || c.MasterKeyFile == "",
-		"secrets.masterKey and secrets.masterKeyFile (KUMIKO_MASTER_KEY, KUMIKO_MASTER_KEY_FILE) are both set; set only one")
-
-	check(l.DrainTimeout+l.Linger < l.ShutdownTimeout,
-		"lifecycle.shutdownTimeout (%s) must be longer than drainTimeout + linger (%s + %s): "+
-			"the rest of the shutdown, stopping workers and closing connections, needs time after the drain",
-		l.ShutdownTimeout, l.DrainTimeout, l.Linger)
-	check(l.ConnectRetryBase <= l.ConnectRetryMax,
-		"lifecycle.connectRetryBase (%s) must not exceed connectRetryMax (%s), the cap on a single delay",
-		l.ConnectRetryBase, l.ConnectRetryMax)
-	// The leader steps down one renew interval before its lock can expire:
-	// its renew deadline is lockTtl − renewInterval, and, as client-go's
-	// leaderelection requires, it must exceed 1.2 renew intervals, or the
-	// leader steps down before it ever renews.
-	check(!le.Enabled || 5*(le.LockTTL-le.RenewInterval) > 6*le.RenewInterval,
-		"lifecycle.leaderElection: the renew deadline, lockTtl − renewInterval (%s − %s), must exceed 1.2 × renewInterval, "+
-			"or the leader steps down before it ever renews its lock (renewInterval at most lockTtl/2.2)", le.LockTTL, le.RenewInterval)
-	check(c.Outbox.RetryBase <= c.Outbox.RetryMax, "outbox.retryBase (%s) must not exceed retryMax (%s)", c.Outbox.RetryBase, c.Outbox.RetryMax)
-	check(c.HTTP.RateLimit == 0 || c.HTTP.RateBurst >= 1, "http.rateBurst must be at least 1 when http.rateLimit is set")
-	check(c.HTTP.ConcurrencyMax == 0 || c.HTTP.ConcurrencyMin <= c.HTTP.ConcurrencyMax,
-		"http.concurrencyMin (%d) must not exceed concurrencyMax (%d)", c.HTTP.ConcurrencyMin, c.HTTP.ConcurrencyMax)
-	check(c.HTTP.MaxConns == 0 || c.HTTP.MaxConns > c.SSE.MaxStreams,
-		"http.maxConns (%d) must exceed sse.maxStreams (%d), or the event streams alone can take every API connection",
-		c.HTTP.MaxConns, c.SSE.MaxStreams)
-	check(hb.Interval < hb.TTL,
-		"lifecycle.heartbeat.interval (%s) must be less than ttl (%s), or the heartbeat expires between beats",
-		hb.Interval, hb.TTL)
-	return problems
+// rule is a rule that spans several settings: no problem when ok, else one.
+func rule(ok bool, format string, args ...any) []error {
+	if ok {
+		return nil
+	}
+	return []error{fmt.Errorf(format, args...)}
 }
 
 // portOf returns the port of a host:port address, or "" if it has none.

@@ -17,6 +17,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"go.yaml.in/yaml/v3"
 )
 
 // fakeGetenv serves env on top of the smallest environment that loads: the
@@ -74,7 +76,7 @@ func TestLoadConfigDefaults(t *testing.T) {
 		t.Errorf("InstanceID = %q, want web-1- and 6 hex digits", got.InstanceID)
 	}
 	want := defaultConfig()
-	want.InstanceID, want.DatabaseURL, want.RedisURL = got.InstanceID, "postgres://app@db:5432/app", "redis://redis:6379/0"
+	want.InstanceID, want.DatabaseURL, want.Redis.URL = got.InstanceID, "postgres://app@db:5432/app", "redis://redis:6379/0"
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("loadConfig() =\n%+v\nwant the table's defaults\n%+v", got, want)
 	}
@@ -124,7 +126,7 @@ func TestLoadConfigSources(t *testing.T) {
 		},
 		{
 			name: "yaml quoted seconds", file: "lifecycle:\n  heartbeat:\n    ttl: \"12\"\n",
-			get: func(c config) any { return c.Lifecycle.Heartbeat.TTL }, want: 12 * time.Second,
+			get: func(c config) any { return c.Heartbeat.TTL }, want: 12 * time.Second,
 		},
 
 		// Other kinds, from both sources.
@@ -144,7 +146,7 @@ func TestLoadConfigSources(t *testing.T) {
 		{
 			name: "disabled leader election skips the lock checks",
 			env:  map[string]string{"KUMIKO_LEADER_ENABLED": "false", "KUMIKO_LEADER_RENEW_INTERVAL": "60"},
-			get:  func(c config) any { return c.Lifecycle.LeaderElection.Enabled }, want: false,
+			get:  func(c config) any { return c.LeaderElection.Enabled }, want: false,
 		},
 		{
 			name: "both listeners on port 0", env: map[string]string{"KUMIKO_HTTP_ADDR": ":0", "KUMIKO_OPS_ADDR": "127.0.0.1:0"},
@@ -157,7 +159,7 @@ func TestLoadConfigSources(t *testing.T) {
 		{
 			name: "redis over a unix socket", file: "redis:\n  url: unix:///run/redis.sock\n",
 			env: map[string]string{"REDIS_URL": ""},
-			get: func(c config) any { return c.RedisURL }, want: "unix:///run/redis.sock",
+			get: func(c config) any { return c.Redis.URL }, want: "unix:///run/redis.sock",
 		},
 	}
 	for _, tt := range tests {
@@ -617,14 +619,15 @@ func TestSettingsTable(t *testing.T) {
 	}
 }
 
-// countStructLeaves counts the exported leaf fields, the settings.
+// countStructLeaves counts the exported leaf fields, the settings, and those
+// of the embedded blockConfig.
 func countStructLeaves(t reflect.Type) int {
 	if t.Kind() != reflect.Struct {
 		return 1
 	}
 	n := 0
 	for f := range t.Fields() {
-		if f.IsExported() {
+		if f.IsExported() || f.Anonymous {
 			n += countStructLeaves(f.Type)
 		}
 	}
@@ -705,7 +708,7 @@ func TestDeprecatedKeyIsLogged(t *testing.T) {
 		t.Fatalf("loadConfig: %v", err)
 	}
 	l := a.cfg.Lifecycle
-	got := []time.Duration{l.StartupTimeout, l.ShutdownTimeout, l.Linger, l.DrainTimeout, l.LeaderElection.LockTTL, l.LeaderElection.RenewInterval}
+	got := []time.Duration{l.StartupTimeout, l.ShutdownTimeout, l.Linger, l.DrainTimeout, a.cfg.LeaderElection.LockTTL, a.cfg.LeaderElection.RenewInterval}
 	want := []time.Duration{121 * time.Second, 41 * time.Second, 4 * time.Second, 31 * time.Second, 16 * time.Second, 6 * time.Second}
 	if !slices.Equal(got, want) {
 		t.Errorf("startup, shutdown, linger, drain, lock TTL, renew interval = %v, want %v", got, want)
@@ -806,6 +809,11 @@ func TestExampleConfigFile(t *testing.T) {
 	_, values, problems := readConfigFile(func(string) string { return "" }, func(string) ([]byte, error) { return data, nil })
 	if len(problems) > 0 {
 		t.Fatalf("example file: %v", problems)
+	}
+	// Each section once: a block's settings join the core's section they name.
+	var plain map[string]any
+	if err := yaml.Unmarshal(data, &plain); err != nil {
+		t.Errorf("the example file is not plain YAML: %v", err)
 	}
 	var c config
 	for _, s := range c.settings() {

@@ -15,6 +15,26 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
+// heartbeatConfig is the heartbeats' settings.
+type heartbeatConfig struct {
+	Interval time.Duration
+	TTL      time.Duration
+}
+
+func (c *heartbeatConfig) settings() []configSetting {
+	return []configSetting{
+		{key: "lifecycle.heartbeat.interval", env: "KUMIKO_HEARTBEAT_INTERVAL", def: "5s", value: durationValue{p: &c.Interval},
+			doc: "workers write `kumiko:heartbeat:<worker>:<instance>` this often", old: "lifecycle.heartbeat.intervalSec"},
+		{key: "lifecycle.heartbeat.ttl", env: "KUMIKO_HEARTBEAT_TTL", def: "10s", value: durationValue{p: &c.TTL},
+			doc: "a heartbeat older than this is stale: readiness 503", old: "lifecycle.heartbeat.ttlSec"},
+	}
+}
+
+func (c *heartbeatConfig) validate() []error {
+	return rule(c.Interval < c.TTL,
+		"lifecycle.heartbeat.interval (%s) must be less than ttl (%s), or the heartbeat expires between beats", c.Interval, c.TTL)
+}
+
 // heartbeats keeps the "still alive" keys of this instance's background workers:
 // SETEX <prefix>heartbeat:<worker>:<instanceId> <ttl> <unix ts>. A worker beats from its
 // own loop, so a loop that is stuck stops beating and goes stale: readiness turns

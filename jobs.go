@@ -22,6 +22,24 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
+// jobsConfig is the jobs block's settings.
+type jobsConfig struct {
+	Workers      uint
+	PollInterval time.Duration
+	Timeout      time.Duration
+}
+
+func (c *jobsConfig) settings() []configSetting {
+	return []configSetting{
+		{key: "jobs.workers", env: "KUMIKO_JOBS_WORKERS", def: "100", value: uintValue{p: &c.Workers, min: 1},
+			doc: "jobs of one kind worked at once by this instance (each kind has its queue); River fetches at most this many every 100 ms, so short jobs need many"},
+		{key: "jobs.pollInterval", env: "KUMIKO_JOBS_POLL_INTERVAL", def: "1s", value: durationValue{p: &c.PollInterval},
+			doc: "River's fetch poll, the fallback to its LISTEN", old: "jobs.pollIntervalSec"},
+		{key: "jobs.timeout", env: "KUMIKO_JOBS_TIMEOUT", def: "30s", value: durationValue{p: &c.Timeout},
+			doc: "a job running longer is cancelled and retried; a job whose worker died (or whose fetch's answer was lost) is run again once it has been running this + 10 s, by River's rescuer, which looks every 30 s", old: "jobs.timeoutSec"},
+	}
+}
+
 // jobs is the River client and what the rest of the process asks of it:
 // the jobs an event triggers, and the jobs an operator may run by hand. Each
 // is a River job: durable in Postgres, retried with backoff, rescued and run

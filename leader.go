@@ -15,6 +15,34 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
+// leaderElectionConfig is the leader election's settings.
+type leaderElectionConfig struct {
+	Enabled       bool
+	LockTTL       time.Duration
+	RenewInterval time.Duration
+}
+
+func (c *leaderElectionConfig) settings() []configSetting {
+	return []configSetting{
+		{key: "lifecycle.leaderElection.enabled", env: "KUMIKO_LEADER_ENABLED", def: "true", value: boolValue{p: &c.Enabled},
+			doc: "elect one leader to schedule the cron jobs"},
+		{key: "lifecycle.leaderElection.lockTtl", env: "KUMIKO_LEADER_LOCK_TTL", def: "15s", value: durationValue{p: &c.LockTTL},
+			doc: "the leader lock expires this long after its last renewal", old: "lifecycle.leaderElection.lockTtlSec"},
+		{key: "lifecycle.leaderElection.renewInterval", env: "KUMIKO_LEADER_RENEW_INTERVAL", def: "5s", value: durationValue{p: &c.RenewInterval},
+			doc: "the leader renews its lock this often (four times as often after a failed renewal); it steps down one interval before the lock can expire, so at most lockTtl/2.2", old: "lifecycle.leaderElection.heartbeatIntervalSec"},
+	}
+}
+
+// validate: the leader steps down one renew interval before its lock can
+// expire: its renew deadline is lockTtl − renewInterval, and, as client-go's
+// leaderelection requires, it must exceed 1.2 renew intervals, or the
+// leader steps down before it ever renews.
+func (c *leaderElectionConfig) validate() []error {
+	return rule(!c.Enabled || 5*(c.LockTTL-c.RenewInterval) > 6*c.RenewInterval,
+		"lifecycle.leaderElection: the renew deadline, lockTtl − renewInterval (%s − %s), must exceed 1.2 × renewInterval, "+
+			"or the leader steps down before it ever renews its lock (renewInterval at most lockTtl/2.2)", c.LockTTL, c.RenewInterval)
+}
+
 // renewScript extends the lock only if this instance still holds it: a plain
 // SET XX would extend the lock of whoever holds it now.
 var renewScript = redis.NewScript(`

@@ -253,7 +253,7 @@ func TestTimeoutsAreDerivedFromTheConfig(t *testing.T) {
 	if want := 2*l.Readiness.CheckInterval + l.Readiness.ProbeTimeout; got.readinessStale != want {
 		t.Errorf("readinessStale = %s, want two check intervals and a probe, %s", got.readinessStale, want)
 	}
-	if want := l.LeaderElection.RenewInterval / 4; got.leaderRenewRetry != want {
+	if want := c.LeaderElection.RenewInterval / 4; got.leaderRenewRetry != want {
 		t.Errorf("leaderRenewRetry = %s, want a quarter of the renew interval, %s", got.leaderRenewRetry, want)
 	}
 	if want := c.Jobs.Timeout + 10*time.Second; got.jobsRescue != want {

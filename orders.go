@@ -26,6 +26,16 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
+// ordersConfig is the orders demo's setting.
+type ordersConfig struct{ ReportCron string }
+
+func (c *ordersConfig) settings() []configSetting {
+	return []configSetting{
+		{key: "jobs.reportCron", env: "KUMIKO_REPORT_CRON", def: "*/5 * * * *", value: textValue{p: &c.ReportCron},
+			doc: "the orders demo's periodic report: 5 cron fields, 6 with seconds, or @every 10s"},
+	}
+}
+
 const (
 	eventOrderCreated = "order.created"
 
@@ -53,7 +63,7 @@ func ordersFeature(cfg config) feature {
 		uses:      []dependency{usesDB, usesRedis, usesSearch, usesStorage, usesMasterKey},
 		publishes: []string{eventOrderCreated},
 		workers:   []worker{work(indexOrder), work(writeReceipt), work(writeReport)},
-		crons: []cronJob{schedule(cfg.Jobs.ReportCron, func(tick time.Time, token int64) reportArgs {
+		crons: []cronJob{schedule(cfg.Orders.ReportCron, func(tick time.Time, token int64) reportArgs {
 			return reportArgs{CronRun{ScheduledAt: tick, FencingToken: token}}
 		})},
 		manualJobs: []manualJob{byHand(func(echo.Context) (reportArgs, error) {

@@ -9,6 +9,16 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
+// redisConfig is the Redis block's setting.
+type redisConfig struct{ URL string }
+
+func (c *redisConfig) settings() []configSetting {
+	return []configSetting{
+		{key: "redis.url", env: "REDIS_URL", value: urlValue{p: &c.URL, schemes: []string{"redis", "rediss", "unix"}},
+			doc: "redis://host:6379/0", required: true},
+	}
+}
+
 // Every Redis key and channel of this service, in one list: all of them sit
 // under redisKeyPrefix, so two services sharing one Redis never share a lock,
 // a heartbeat or an event channel.
@@ -38,7 +48,7 @@ return 0`)
 // redisClient is phase 10's first step (boot.go): the go-redis client,
 // retried with the same backoff as the DB.
 func (a *app) redisClient(ctx context.Context, p *phaseRun) error {
-	opts, err := redis.ParseURL(a.cfg.RedisURL)
+	opts, err := redis.ParseURL(a.cfg.Redis.URL)
 	if err != nil {
 		return fmt.Errorf("parsing REDIS_URL: %w", err)
 	}

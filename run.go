@@ -114,7 +114,7 @@ func runWorkers(ctx context.Context, getenv func(string) string, environ []strin
 	if err != nil {
 		return err
 	}
-	opts, err := redis.ParseURL(cfg.RedisURL)
+	opts, err := redis.ParseURL(cfg.Redis.URL)
 	if err != nil {
 		return fmt.Errorf("parsing REDIS_URL: %w", err)
 	}

@@ -8,6 +8,21 @@ import (
 	"github.com/meilisearch/meilisearch-go"
 )
 
+// searchConfig is the search block's settings.
+type searchConfig struct {
+	URL    string
+	APIKey string
+}
+
+func (c *searchConfig) settings() []configSetting {
+	return []configSetting{
+		{key: "search.url", env: "MEILI_URL", value: urlValue{p: &c.URL, schemes: []string{"http", "https"}},
+			doc: "Meilisearch; empty skips phase 11"},
+		{key: "search.apiKey", env: "MEILI_API_KEY", value: secretValue{p: &c.APIKey},
+			doc: "Meilisearch API key"},
+	}
+}
+
 // searchAdapter is phase 11. Search is an optional dependency: when it is down
 // the boot goes on and the features that use it fall back (to SQL, say). Its
 // readiness check is shown but never fails readiness.

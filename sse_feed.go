@@ -14,6 +14,44 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
+// sseConfig is the event stream's settings.
+type sseConfig struct {
+	MaxStreams      uint
+	Heartbeat       time.Duration
+	RetryHint       time.Duration
+	WriteTimeout    time.Duration
+	MaxStreamsPerIP uint
+	// The drain spreads the streams' reconnects over a window of
+	// ReconnectSpreadPerStream per open stream, at most ReconnectSpread.
+	ReconnectSpread          time.Duration
+	ReconnectSpreadPerStream time.Duration
+}
+
+func (c *sseConfig) settings() []configSetting {
+	return []configSetting{
+		{key: "sse.maxStreams", env: "KUMIKO_SSE_MAX_STREAMS", def: "5000", value: uintValue{p: &c.MaxStreams, min: 1},
+			doc: "open event streams per instance; beyond, 503 (5,000 measured safe on 2 cores)"},
+		{key: "sse.heartbeat", env: "KUMIKO_SSE_HEARTBEAT", def: "15s", value: durationValue{p: &c.Heartbeat},
+			doc: "comment lines that keep idle proxies from closing a stream", old: "sse.heartbeatSec"},
+		{key: "sse.retry", env: "KUMIKO_SSE_RETRY", def: "1s", value: durationValue{p: &c.RetryHint},
+			doc: "the retry: hint a client waits before reconnecting", old: "sse.retrySec"},
+		{key: "sse.reconnectSpread", env: "KUMIKO_SSE_RECONNECT_SPREAD", def: "10s", value: durationValue{p: &c.ReconnectSpread, zeroOK: true},
+			doc: "the drain spreads its streams' reconnects over up to this (and at most the drain budget): each goodbye's retry: hint differs, the streams close over the first half; 0: all at once"},
+		{key: "sse.reconnectSpreadPerStream", env: "KUMIKO_SSE_RECONNECT_SPREAD_PER_STREAM", def: "2ms", value: durationValue{p: &c.ReconnectSpreadPerStream},
+			doc: "the spread grows by this per open stream (5,000 streams: 10s, 500 per second on the instances they move to; 1 stream: no wait)"},
+		{key: "sse.writeTimeout", env: "KUMIKO_SSE_WRITE_TIMEOUT", def: "10s", value: durationValue{p: &c.WriteTimeout},
+			doc: "a stream that moves less than 16 KB to its client within this is dropped: a stalled reader cannot pin a handler, a slow steady one is not cut", old: "sse.writeTimeoutSec"},
+		{key: "sse.maxStreamsPerIp", env: "KUMIKO_SSE_MAX_STREAMS_PER_IP", def: "20", value: uintValue{p: &c.MaxStreamsPerIP},
+			doc: "open streams per client address; beyond, 429; 0 turns the cap off"},
+	}
+}
+
+func (c *sseConfig) validate(http httpConfig) []error {
+	return rule(http.MaxConns == 0 || http.MaxConns > c.MaxStreams,
+		"http.maxConns (%d) must exceed sse.maxStreams (%d), or the event streams alone can take every API connection",
+		http.MaxConns, c.MaxStreams)
+}
+
 // The event stream (GET /api/events) in five files, one job each:
 //   - sse_feed.go, here: the hub reads delivered events from Postgres into
 //     one feed of encoded frames and wakes the streams, paced.

@@ -4,10 +4,42 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
 
 	"github.com/minio/minio-go/v7"
 	"github.com/minio/minio-go/v7/pkg/credentials"
 )
+
+// storageConfig is the storage block's settings.
+type storageConfig struct {
+	Endpoint  string
+	AccessKey string
+	SecretKey string
+	Bucket    string
+	UseSSL    bool
+}
+
+func (c *storageConfig) settings() []configSetting {
+	return []configSetting{
+		{key: "storage.endpoint", env: "S3_ENDPOINT", value: addrValue{p: &c.Endpoint, optional: true},
+			doc: "S3 server; empty skips phase 12"},
+		{key: "storage.accessKey", env: "S3_ACCESS_KEY", value: secretValue{p: &c.AccessKey},
+			doc: "S3 access key, required with an endpoint"},
+		{key: "storage.secretKey", env: "S3_SECRET_KEY", value: secretValue{p: &c.SecretKey},
+			doc: "S3 secret key, required with an endpoint"},
+		{key: "storage.bucket", env: "S3_BUCKET", def: "kumiko-demo", value: textValue{p: &c.Bucket},
+			doc: "the bucket the features write their files to, created at boot when missing"},
+		{key: "storage.useSSL", env: "S3_USE_SSL", def: "false", value: boolValue{p: &c.UseSSL},
+			doc: "talk TLS to the S3 server"},
+	}
+}
+
+func (c *storageConfig) validate() []error {
+	return slices.Concat(
+		rule(c.Endpoint == "" || (c.AccessKey != "" && c.SecretKey != ""),
+			"storage.accessKey and storage.secretKey (S3_ACCESS_KEY, S3_SECRET_KEY) are required when storage.endpoint is set"),
+		rule(c.Endpoint == "" || c.Bucket != "", "storage.bucket must not be empty when storage.endpoint is set"))
+}
 
 // fileStorage is phase 12: the S3-compatible bucket, created when missing.
 // Like search it is optional: when it is down the boot goes on and the features

@@ -285,7 +285,7 @@ func newTimeouts(c config) timeouts {
 		optionalPhase:    min(l.OptionalDependencyTimeout, l.PhaseTimeout),
 		readinessProbe:   l.Readiness.ProbeTimeout,
 		readinessStale:   2*l.Readiness.CheckInterval + l.Readiness.ProbeTimeout,
-		leaderRenewRetry: l.LeaderElection.RenewInterval / 4,
+		leaderRenewRetry: c.LeaderElection.RenewInterval / 4,
 		dbStatement:      c.DB.StatementTimeout,
 		dbLock:           c.DB.LockTimeout,
 		dbIdleInTx:       c.DB.IdleInTransactionTimeout,
