@@ -54,7 +54,11 @@ type migrator struct {
 // with no context to cancel, and a boot aborted during that wait must not
 // leave the pool's Close waiting for the connection. On these connections
 // lock_timeout bounds that wait, and statement_timeout every migration, to
-// wait (the phase timeout).
+// wait (the phase timeout); so does idle_in_transaction_session_timeout, the
+// pool's seconds being for a request's short transaction: a migration's
+// transaction pauses between statements while this process is starved
+// (a boot with both cores busy lost migration 1 to a 2 s bound), and the
+// other instances wait on the advisory lock meanwhile anyway.
 func newMigrator(pool *pgxpool.Pool, wait time.Duration) (*migrator, error) {
 	src, err := iofs.New(migrationFiles, "migrations")
 	if err != nil {
@@ -67,6 +71,7 @@ func newMigrator(pool *pgxpool.Pool, wait time.Duration) (*migrator, error) {
 	cc := pool.Config().ConnConfig // a copy
 	ms := strconv.FormatInt(wait.Milliseconds(), 10)
 	cc.RuntimeParams["lock_timeout"], cc.RuntimeParams["statement_timeout"] = ms, ms
+	cc.RuntimeParams["idle_in_transaction_session_timeout"] = ms
 	conns := stdlib.OpenDB(*cc)
 	pgxDriver, err := pgxmigrate.WithInstance(conns, &pgxmigrate.Config{MigrationsTable: migrationsTable})
 	if err != nil {

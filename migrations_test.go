@@ -160,3 +160,29 @@ func TestMigrateCommand(t *testing.T) {
 		}
 	}
 }
+
+// The migrator's connections take the phase's wait as their idle-in-transaction
+// bound, not the pool's seconds: a migration's transaction pauses while the
+// process is starved, and a 2 s bound ended one on a busy machine.
+func TestMigratorOutlastsThePoolsIdleInTransactionBound(t *testing.T) {
+	base := testPool(t)
+	cfg := base.Config() // a copy
+	cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "300"
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	mg, err := newMigrator(pool, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mg.Close()
+	var idle string
+	if err := mg.conns.QueryRow("SHOW idle_in_transaction_session_timeout").Scan(&idle); err != nil {
+		t.Fatal(err)
+	}
+	if idle != "1min" {
+		t.Errorf("the migrator's idle_in_transaction_session_timeout is %s, want the phase's wait, 1min", idle)
+	}
+}
