@@ -24,6 +24,7 @@ type drainHandover struct {
 	exit    time.Duration   // SIGTERM → exit
 	goodbye []time.Time     // when each client got its goodbye, in arrival order
 	hints   []time.Duration // each goodbye's retry hint
+	back    []time.Time     // when each client came back (its goodbye plus its hint), in order
 }
 
 func (h drainHandover) String() string {
@@ -31,8 +32,12 @@ func (h drainHandover) String() string {
 	for _, g := range h.goodbye {
 		at = append(at, fmt.Sprint(g.Sub(h.goodbye[0]).Milliseconds()))
 	}
-	return fmt.Sprintf("spread %s, sseClose %s, SIGTERM → exit %s; goodbyes at +%v ms; retry hints %v",
-		h.spread, h.step, h.exit, at, h.hints)
+	var back []string
+	for _, b := range h.back {
+		back = append(back, fmt.Sprint(b.Sub(h.goodbye[0]).Milliseconds()))
+	}
+	return fmt.Sprintf("spread %s, sseClose %s, SIGTERM → exit %s; goodbyes at +%v ms; retry hints %v; back at +%v ms",
+		h.spread, h.step, h.exit, at, h.hints, back)
 }
 
 // handOver opens n streams on a, posts orders to b all along, sends a
@@ -104,6 +109,7 @@ func handOver(t *testing.T, n int, tweak func(env map[string]string)) drainHando
 	sort.Slice(backs, func(i, j int) bool { return backs[i].at.Before(backs[j].at) })
 	resumed := map[*sseClient]*sseClient{}
 	for _, r := range backs {
+		h.back = append(h.back, r.at)
 		<-time.After(time.Until(r.at)) // the retry hint: the client's own wait
 		resumed[r.client] = openSSE(t, apiB, r.client.lastID())
 	}
@@ -174,13 +180,17 @@ func TestProcessDrainSpreadsReconnects(t *testing.T) {
 	if span < h.spread/4 || h.step > h.spread/2+time.Second {
 		t.Errorf("goodbyes over %s, sseClose took %s; want them spread over about %s; %s", span, h.step, h.spread/2, h)
 	}
-	for i := range h.goodbye {
+	// What the other instances see is the clients coming back: no half of
+	// them within 50 ms. (Counted on the comebacks, not the goodbyes: a
+	// stall of the drained process on a busy machine delivers the goodbyes
+	// due meanwhile at once, 26 of 40 in one run; their hints still differ.)
+	for i := range h.back {
 		j := i
-		for j < n && h.goodbye[j].Sub(h.goodbye[i]) < 50*time.Millisecond {
+		for j < n && h.back[j].Sub(h.back[i]) < 50*time.Millisecond {
 			j++
 		}
 		if j-i > n/2 {
-			t.Errorf("%d of %d goodbyes within 50 ms: not spread; %s", j-i, n, h)
+			t.Errorf("%d of %d clients came back within 50 ms: not spread; %s", j-i, n, h)
 			break
 		}
 	}
