@@ -76,7 +76,7 @@ func newApp(getenv func(string) string, environ []string, stdout io.Writer) *app
 	m := newMetrics()
 	a := &app{getenv: getenv, environ: environ, born: born, log: log, metrics: m, lc: newLifecycle(log, m, born),
 		timeouts: newTimeouts(defaultConfig())} // until phase 1 has read the config
-	a.blocks = newBlockMetrics(m.registry)
+	a.blocks = newBlockMetrics(m)
 	a.stop = newStopper(log)
 	return a
 }
@@ -112,6 +112,14 @@ func (b *blockConfig) validate(c *config) []error {
 		b.Storage.validate())
 }
 
+// blockComponents lists the building blocks' components, each declared in
+// its block's file (componentOutboxPoller in outbox.go, …).
+func blockComponents() []component {
+	return []component{componentRedis, componentHeartbeats, componentClusterStatus, componentSearch, componentStorage,
+		componentOutboxPoller, componentJobsWorker, componentJobsHeartbeat, componentJobsBacklog, componentScheduler,
+		componentLeaderElection, componentSSEHub}
+}
+
 // blockMetrics is what the building blocks add to /metrics. Each block
 // declares its own (outboxMetrics in outbox.go, …); the root makes them on the
 // process's registry at start, so every series is there from the first scrape.
@@ -125,8 +133,12 @@ type blockMetrics struct {
 	sse       *sseMetrics
 }
 
-func newBlockMetrics(r prometheus.Registerer) blockMetrics {
-	return blockMetrics{heartbeat: newHeartbeatMetrics(r), outbox: newOutboxMetrics(r), jobs: newJobsMetrics(r),
+// newBlockMetrics makes the blocks' metrics on m's registry and starts their
+// components' series in m at 0.
+func newBlockMetrics(m *metrics) blockMetrics {
+	m.initComponentSeries(blockComponents())
+	r := m.registry
+	return blockMetrics{heartbeat: newHeartbeatMetrics(r, blockComponents()), outbox: newOutboxMetrics(r), jobs: newJobsMetrics(r),
 		backlog: newBacklogMetrics(r), leader: newLeaderMetrics(r), cron: newCronMetrics(r), sse: newSSEMetrics(r)}
 }
 

@@ -13,6 +13,9 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
+// componentJobsBacklog is the loop counting the jobs that wait.
+var componentJobsBacklog = component{name: "jobsBacklog"}
+
 // backlogConfig is the backlog watch's setting.
 type backlogConfig struct{ Max uint }
 

@@ -309,6 +309,7 @@ func (a *app) apiListener(ctx context.Context, p *phaseRun) error {
 	}
 	a.sse = hub
 	a.lc.RegisterShutdownHook(componentSSEHub, hub.Stop)
+	a.lc.OnCloseStreams(hub.goodbyes(a.timeouts, a.diag, a.log))
 
 	e := newEcho(a.log, a.metrics, componentAPI)
 	e.IPExtractor = clientIPExtractor(a.cfg.HTTP.TrustedProxies)

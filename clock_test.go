@@ -28,7 +28,7 @@ func TestClusterTimesAreRedisTime(t *testing.T) {
 	}
 
 	m := newMetrics()
-	blocks := newBlockMetrics(m.registry)
+	blocks := newBlockMetrics(m)
 	hs := newHeartbeats(rdb, "inst-1", 10*time.Second, time.Second, blocks.heartbeat, testReadiness(t, readyLifecycle(t), m, time.Second, time.Hour))
 	hb := hs.RegisterHeartbeat(componentOutboxPoller)
 	if err := hb.beat(ctx); err != nil {

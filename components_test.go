@@ -2,47 +2,101 @@ package main
 
 import (
 	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
 
+// processComponents is every component of the process: the core's and the
+// blocks' (the root lists those).
+func processComponents() []component { return slices.Concat(coreComponents(), blockComponents()) }
+
 // Every component has a name of its own: two that shared one would share a
 // log field, a panics series and a drain step, and nobody could tell them
 // apart. A gating heartbeat needs a heartbeat, and the heartbeat workers
-// keep the names other instances read in Redis (docs/redis-keys.md).
+// keep the names other instances read in Redis (docs/redis-keys.md). Every
+// component declared in the package is listed (coreComponents,
+// blockComponents), or its series would not start at 0.
 func TestComponentsHaveOneNameEach(t *testing.T) {
-	names := map[string]component{}
+	names := map[string]bool{}
 	var workers []string
-	for c := range numComponents {
-		spec := c.spec()
-		if spec.name == "" {
-			t.Errorf("component %d has no name", int(c))
+	for _, c := range processComponents() {
+		if c.name == "" {
+			t.Errorf("a component has no name: %+v", c)
 			continue
 		}
-		if other, ok := names[spec.name]; ok {
-			t.Errorf("components %d and %d are both named %q", int(other), int(c), spec.name)
+		if names[c.name] {
+			t.Errorf("two components are named %q", c.name)
 		}
-		names[spec.name] = c
-		if c.String() != spec.name {
-			t.Errorf("component %d says %q, its name is %q", int(c), c.String(), spec.name)
-		}
-		if spec.gates && spec.heartbeat == "" {
+		names[c.name] = true
+		if c.gates && c.heartbeat == "" {
 			t.Errorf("%s gates readiness on a heartbeat it does not write", c)
 		}
-		if spec.heartbeat != "" {
-			workers = append(workers, spec.heartbeat)
+		if c.heartbeat != "" {
+			workers = append(workers, c.heartbeat)
 		}
 	}
 	slices.Sort(workers)
 	if want := []string{"jobs", "outbox", "scheduler"}; !slices.Equal(workers, want) {
 		t.Errorf("heartbeat workers %q, want %q: other instances read these keys", workers, want)
 	}
-	if got, want := numComponents.String(), fmt.Sprintf("component(%d)", int(numComponents)); got != want {
-		t.Errorf("an unknown component says %q, want %q", got, want)
+	for name, file := range declaredComponents(t) {
+		if !names[name] {
+			t.Errorf("component %q (%s) is in neither coreComponents (components.go) nor blockComponents (app.go)", name, file)
+		}
 	}
+}
+
+// declaredComponents reads the package's source for every component{name: …}
+// declared at package level: its name and its file.
+func declaredComponents(t *testing.T) map[string]string {
+	t.Helper()
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := map[string]string{}
+	fset := token.NewFileSet()
+	for _, file := range files {
+		if strings.HasSuffix(file, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(fset, file, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, decl := range f.Decls {
+			gen, ok := decl.(*ast.GenDecl)
+			if !ok || gen.Tok != token.VAR {
+				continue
+			}
+			for _, spec := range gen.Specs {
+				for _, v := range spec.(*ast.ValueSpec).Values {
+					lit, ok := v.(*ast.CompositeLit)
+					if !ok {
+						continue
+					}
+					if typ, ok := lit.Type.(*ast.Ident); !ok || typ.Name != "component" {
+						continue
+					}
+					for _, e := range lit.Elts {
+						if kv, ok := e.(*ast.KeyValueExpr); ok && fmt.Sprint(kv.Key) == "name" {
+							name, _ := strconv.Unquote(kv.Value.(*ast.BasicLit).Value)
+							found[name] = file
+						}
+					}
+				}
+			}
+		}
+	}
+	return found
 }
 
 // Right after newMetrics and the blocks' (as newApp makes them), every component's panics series, every connecting
@@ -52,7 +106,7 @@ func TestComponentsHaveOneNameEach(t *testing.T) {
 func TestComponentSeriesStartAtZero(t *testing.T) {
 	want := componentSeries()
 	m := newMetrics()
-	newBlockMetrics(m.registry)
+	newBlockMetrics(m)
 	got := gatherComponentSeries(t, m.registry)
 	for key, v := range got {
 		if !want[key] {
@@ -72,15 +126,14 @@ func TestComponentSeriesStartAtZero(t *testing.T) {
 // component table asks for, as "name{label=value,...}".
 func componentSeries() map[string]bool {
 	want := map[string]bool{}
-	for c := range numComponents {
-		spec := c.spec()
-		want["kumiko_panics_total{component="+spec.name+"}"] = true
+	for _, c := range processComponents() {
+		want["kumiko_panics_total{component="+c.name+"}"] = true
 		for _, r := range []string{"failed", "ok"} {
-			if spec.connects {
-				want["kumiko_connect_attempts_total{result="+r+",target="+spec.name+"}"] = true
+			if c.connects {
+				want["kumiko_connect_attempts_total{result="+r+",target="+c.name+"}"] = true
 			}
-			if spec.heartbeat != "" {
-				want["kumiko_worker_heartbeats_total{result="+r+",worker="+spec.heartbeat+"}"] = true
+			if c.heartbeat != "" {
+				want["kumiko_worker_heartbeats_total{result="+r+",worker="+c.heartbeat+"}"] = true
 			}
 		}
 	}

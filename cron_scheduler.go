@@ -15,6 +15,9 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
+// componentScheduler is the cron scheduler, on the leader.
+var componentScheduler = component{name: "scheduler", heartbeat: "scheduler"}
+
 // The cron scheduler: it runs only inside the elector's lead callback
 // (leader.go), on the instance that leads.
 

@@ -24,6 +24,9 @@ import (
 	"golang.org/x/sync/singleflight"
 )
 
+// componentClusterStatus is this instance's record for the cluster dashboard.
+var componentClusterStatus = component{name: "clusterStatus"}
+
 // dashboardPage is the live dashboard: plain HTML and JavaScript, no build step.
 //
 //go:embed dashboard.html

@@ -15,6 +15,9 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
+// componentHeartbeats is this instance's heartbeat keys (cleared on a clean stop).
+var componentHeartbeats = component{name: "heartbeats"}
+
 // heartbeatConfig is the heartbeats' settings.
 type heartbeatConfig struct {
 	Interval time.Duration
@@ -75,20 +78,19 @@ func newHeartbeats(rdb *redis.Client, instanceID string, ttl, timeout time.Durat
 }
 
 // RegisterHeartbeat returns the handle c beats with, under its heartbeat
-// worker name (components.go). When c's beat gates, a stale beat fails
+// worker name (its declaration). When c's beat gates, a stale beat fails
 // readiness under the check named after c; one that does not is a worker
 // that only beats while it has work (the scheduler, on the leader). A
 // component that writes no heartbeat is a programming error: it panics.
 func (hs *heartbeats) RegisterHeartbeat(c component) *heartbeat {
-	spec := c.spec()
-	if spec.heartbeat == "" {
-		panic(fmt.Sprintf("heartbeats: %s writes no heartbeat (components.go)", c))
+	if c.heartbeat == "" {
+		panic(fmt.Sprintf("heartbeats: %s writes no heartbeat (its declaration)", c))
 	}
-	h := &heartbeat{worker: spec.heartbeat, key: heartbeatKeyPrefix + spec.heartbeat + ":" + hs.instanceID, owner: hs}
+	h := &heartbeat{worker: c.heartbeat, key: heartbeatKeyPrefix + c.heartbeat + ":" + hs.instanceID, owner: hs}
 	hs.mu.Lock()
 	hs.handles = append(hs.handles, h)
 	hs.mu.Unlock()
-	if spec.gates {
+	if c.gates {
 		hs.health.RegisterReadinessCheck(c.String(), true, h.readinessCheck)
 	}
 	return h
@@ -269,18 +271,18 @@ type heartbeatMetrics struct {
 	written  *prometheus.CounterVec
 }
 
-func newHeartbeatMetrics(r prometheus.Registerer) *heartbeatMetrics {
+// newHeartbeatMetrics starts the series of every worker among components at 0.
+func newHeartbeatMetrics(r prometheus.Registerer, components []component) *heartbeatMetrics {
 	f := promauto.With(r)
 	m := &heartbeatMetrics{registry: r,
 		written: f.NewCounterVec(prometheus.CounterOpts{
 			Namespace: metricNamespace, Name: "worker_heartbeats_total", Help: "Heartbeats written to Redis, by worker and result.",
 		}, []string{"worker", "result"}),
 	}
-	// Every worker's series starts at 0 (components.go names the workers).
-	for _, spec := range components {
-		if spec.heartbeat != "" {
+	for _, c := range components {
+		if c.heartbeat != "" {
 			for _, result := range []string{"ok", "failed"} {
-				m.written.WithLabelValues(spec.heartbeat, result)
+				m.written.WithLabelValues(c.heartbeat, result)
 			}
 		}
 	}

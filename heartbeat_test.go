@@ -21,7 +21,7 @@ func TestHeartbeatLifecycle(t *testing.T) {
 	lc := readyLifecycle(t)
 	m := newMetrics()
 	rd := testReadiness(t, lc, m, time.Second, time.Hour)
-	hs := newHeartbeats(rdb, "inst-1", 300*time.Millisecond, time.Second, newHeartbeatMetrics(m.registry), rd)
+	hs := newHeartbeats(rdb, "inst-1", 300*time.Millisecond, time.Second, newHeartbeatMetrics(m.registry, blockComponents()), rd)
 	hb := hs.RegisterHeartbeat(componentOutboxPoller)
 
 	rd.refresh(ctx)
@@ -76,7 +76,7 @@ func TestHeartbeatWithoutRedisIsDegradedNotStale(t *testing.T) {
 	ctx := context.Background()
 	m := newMetrics()
 	rd := testReadiness(t, readyLifecycle(t), m, time.Second, time.Hour)
-	hs := newHeartbeats(rdb, "inst-1", time.Minute, 100*time.Millisecond, newHeartbeatMetrics(m.registry), rd)
+	hs := newHeartbeats(rdb, "inst-1", time.Minute, 100*time.Millisecond, newHeartbeatMetrics(m.registry, blockComponents()), rd)
 	hs.born = time.Now().Add(-time.Hour) // the last beat that reached Redis was an hour ago
 	hb := hs.RegisterHeartbeat(componentOutboxPoller)
 	hb.last.Store(1)

@@ -22,6 +22,13 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
+// The jobs block's components: the River client working jobs, and the loop
+// beating for it (River's loops are River's).
+var (
+	componentJobsWorker    = component{name: "jobsWorker", heartbeat: "jobs", gates: true, connects: true}
+	componentJobsHeartbeat = component{name: "jobsHeartbeat"}
+)
+
 // jobsConfig is the jobs block's settings.
 type jobsConfig struct {
 	Workers      uint

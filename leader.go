@@ -15,6 +15,9 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
+// componentLeaderElection is the leader elector.
+var componentLeaderElection = component{name: "leaderElection", connects: true}
+
 // leaderElectionConfig is the leader election's settings.
 type leaderElectionConfig struct {
 	Enabled       bool

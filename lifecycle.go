@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"slices"
 	"sync"
 	"time"
 
@@ -50,6 +51,8 @@ type Lifecycle struct {
 	listeners []stateListener
 	nextID    int
 	hooks     []shutdownHook
+	// streamClosers end the long-lived responses in drain step sseClose.
+	streamClosers []func(drain, ctx context.Context) error
 
 	// Phase spans are made from the timeline when a phase ends, so the phases
 	// that ran before phase 2 set up tracing are replayed into it then.
@@ -394,6 +397,34 @@ func (lc *Lifecycle) Timeline() []phaseRecord {
 	lc.mu.Lock()
 	defer lc.mu.Unlock()
 	return append([]phaseRecord(nil), lc.timeline...)
+}
+
+// ---------------------------------------------------------------------------
+// Streams
+
+// OnCloseStreams registers fn for drain step sseClose, which comes after the
+// listener closes and before the requests in flight are awaited: a
+// long-lived response (an event stream) is not a request in flight, and
+// http.Server.Shutdown never ends one by itself, so without this step the
+// drain would always run into its timeout. fn gets drain, the budget its
+// goodbyes share with the requests in flight, and ctx, the shutdown's, for
+// what it must force-close and wait for.
+func (lc *Lifecycle) OnCloseStreams(fn func(drain, ctx context.Context) error) {
+	lc.mu.Lock()
+	defer lc.mu.Unlock()
+	lc.streamClosers = append(lc.streamClosers, fn)
+}
+
+// closeStreams runs every registered stream closer, in order, and joins their errors.
+func (lc *Lifecycle) closeStreams(drain, ctx context.Context) error {
+	lc.mu.Lock()
+	closers := slices.Clone(lc.streamClosers)
+	lc.mu.Unlock()
+	var errs []error
+	for _, fn := range closers {
+		errs = append(errs, fn(drain, ctx))
+	}
+	return errors.Join(errs...)
 }
 
 // ---------------------------------------------------------------------------

@@ -169,19 +169,25 @@ func newMetrics() *metrics {
 // Label values known before anything happens. A labelled counter has no
 // series until its first increment, so increase(...) cannot see that first
 // one (increase needs two samples): every series named here starts at 0.
-// The components come from their table (components.go), so a new component
-// has its series without anyone remembering to list it.
+// The core's components are listed with their declarations (components.go),
+// the blocks' by the root (newBlockMetrics), so a new component has its series
+// without anyone remembering to list it twice.
 func (m *metrics) initKnownLabels() {
 	for from := range stateNames {
 		for to := from + 1; to < len(stateNames); to++ { // transitions only go forward
 			m.stateChanges.WithLabelValues(stateNames[from], stateNames[to])
 		}
 	}
-	for _, spec := range components {
-		m.panics.WithLabelValues(spec.name)
+	m.initComponentSeries(coreComponents())
+}
+
+// initComponentSeries starts the panics and connect series of components at 0.
+func (m *metrics) initComponentSeries(components []component) {
+	for _, c := range components {
+		m.panics.WithLabelValues(c.name)
 		for _, r := range []string{"ok", "failed"} {
-			if spec.connects {
-				m.connectAttempts.WithLabelValues(spec.name, r)
+			if c.connects {
+				m.connectAttempts.WithLabelValues(c.name, r)
 			}
 		}
 	}

@@ -242,7 +242,7 @@ func TestAlertRulesUseRealMetrics(t *testing.T) {
 	// Children of vector metrics appear in Gather once they have a value.
 	m.state.WithLabelValues("ready")
 	m.readinessOK.WithLabelValues("db")
-	newHeartbeats(nil, "x", time.Second, time.Second, newBlockMetrics(m.registry).heartbeat, testReadiness(t, newTestLifecycle(), m, time.Second, time.Second)).RegisterHeartbeat(componentScheduler).last.Store(1)
+	newHeartbeats(nil, "x", time.Second, time.Second, newBlockMetrics(m).heartbeat, testReadiness(t, newTestLifecycle(), m, time.Second, time.Second)).RegisterHeartbeat(componentScheduler).last.Store(1)
 	families, _ := m.registry.Gather()
 	known := map[string]bool{}
 	for _, f := range families {
@@ -279,7 +279,7 @@ func TestProcessLabelledCountersStartAtZero(t *testing.T) {
 	want := []string{`kumiko_lifecycle_state_changes_total{from="ready",to="draining"} 0`,
 		`kumiko_jobs_total{kind="sleep",result="interrupted"} 0`, `kumiko_worker_heartbeats_total{result="failed",worker="scheduler"} 0`,
 		`kumiko_connect_attempts_total{result="failed",target="leaderElection"} 0`}
-	for c := range numComponents {
+	for _, c := range processComponents() {
 		want = append(want, `kumiko_panics_total{component="`+c.String()+`"} 0`)
 	}
 	assertMetricsAfterBoot(t, want)

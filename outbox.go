@@ -20,6 +20,9 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
+// componentOutboxPoller is the outbox poller.
+var componentOutboxPoller = component{name: "outboxPoller", heartbeat: "outbox", gates: true, connects: true}
+
 // outboxConfig is the outbox block's settings.
 type outboxConfig struct {
 	BatchSize    uint

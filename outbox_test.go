@@ -81,7 +81,7 @@ func (f *outboxFixture) pollerOn(t testing.TB, name string, db *pgxpool.Pool) *o
 	t.Helper()
 	m := newMetrics()
 	rd := testReadiness(t, readyLifecycle(t), m, time.Second, time.Hour)
-	beat := newHeartbeats(f.rdb, name, 10*time.Second, time.Second, newHeartbeatMetrics(m.registry), rd).RegisterHeartbeat(componentOutboxPoller)
+	beat := newHeartbeats(f.rdb, name, 10*time.Second, time.Second, newHeartbeatMetrics(m.registry, blockComponents()), rd).RegisterHeartbeat(componentOutboxPoller)
 	p := newOutboxPoller(outboxPollerDeps{db: db, redis: f.rdb, cfg: f.cfg, beat: beat, beatEvery: cmp.Or(f.beatEvery, time.Second),
 		instanceID: name, memberTTL: 10 * time.Second, redisCall: time.Second,
 		insertJobs: f.alsoInTx, log: newLogger(io.Discard, "json"), metrics: newOutboxMetrics(m.registry),

@@ -9,6 +9,9 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
+// componentRedis is the Redis client.
+var componentRedis = component{name: "redis", connects: true}
+
 // redisConfig is the Redis block's setting.
 type redisConfig struct{ URL string }
 

@@ -29,8 +29,8 @@ func (a *app) connectWithRetry(ctx context.Context, p *phaseRun, target componen
 // retry calls fn until it succeeds, ctx ends, or maxAttempts (0: no limit)
 // have failed, backing off between attempts. Every failed attempt is logged
 // with the delay before the next, and the final error names the attempts and
-// the last error. target must be marked connects in components.go, so that
-// its kumiko_connect_attempts_total series exist from the start.
+// the last error. target must be declared with connects, so that its
+// kumiko_connect_attempts_total series exist from the start.
 func (a *app) retry(ctx context.Context, p *phaseRun, target component, maxAttempts int, fn func(context.Context) error) error {
 	start := time.Now()
 	log := a.log.WithFields(logrus.Fields{"component": "lifecycle", "phase": p.name, "target": target.String()})

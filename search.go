@@ -8,6 +8,9 @@ import (
 	"github.com/meilisearch/meilisearch-go"
 )
 
+// componentSearch is the Meilisearch client.
+var componentSearch = component{name: "search"}
+
 // searchConfig is the search block's settings.
 type searchConfig struct {
 	URL    string

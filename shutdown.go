@@ -239,7 +239,7 @@ func (a *app) drain(ctx context.Context, reason string) error {
 	if a.api != nil {
 		a.step(ctx, "linger", a.linger)
 		a.step(ctx, "closeListener", a.closeAPIListener)
-		a.step(ctx, "sseClose", func(ctx context.Context) error { return a.closeStreams(drainCtx, ctx) })
+		a.step(ctx, "sseClose", func(ctx context.Context) error { return a.lc.closeStreams(drainCtx, ctx) })
 		a.step(ctx, "inFlight", func(ctx context.Context) error { return a.awaitInFlight(ctx, drainCtx) })
 	}
 	releaseErr := a.lc.runShutdownHooks(ctx, a.timeouts.hookReserve, func(name string, took time.Duration, err error, stuck goroutineDump) {
@@ -339,35 +339,6 @@ func (a *app) closeAPIListener(context.Context) error {
 		return fmt.Errorf("closing the API listener: %w", err)
 	}
 	return nil
-}
-
-// closeStreams ends the event streams with `event: shutdown` and a retry
-// hint. http.Server.Shutdown never ends a streaming response by itself, and
-// streams are not in-flight requests: the drain would otherwise always run
-// into its timeout. The goodbyes and their retry hints are spread over a
-// window that grows with the streams (KUMIKO_SSE_RECONNECT_SPREAD), so their
-// clients do not all reconnect to the other instances in the same instant.
-// A client that stopped reading cannot take its goodbye, so what is left
-// when drainCtx ends is force-closed (its write deadline pulled to now), and
-// the release hooks keep their share of the budget.
-func (a *app) closeStreams(drainCtx, ctx context.Context) error {
-	stopWatch := watchGoroutines(ctx) // the streams a force-close ends are gone when it returns
-	r, err := a.sse.closeStreams(drainCtx, ctx, a.timeouts.sseSpread, a.timeouts.sseSpreadStep)
-	stuck := stopWatch()
-	// streams_open is kumiko_sse_streams now: 0 unless a handler outlived its force-close.
-	entry := componentSSEHub.log(a.log).WithFields(logrus.Fields{"streams": r.asked, "forced": r.forced,
-		"streams_open": a.sse.openStreams(), "spread_ms": r.window.Milliseconds()})
-	if r.forced > 0 {
-		entry.WithField("drain_timeout_ms", a.timeouts.drain.Milliseconds()).Warn("drain timeout: force-closed event streams that did not end")
-		reason := fmt.Sprintf("sseClose: %s force-closed at KUMIKO_DRAIN_TIMEOUT=%s", count(int64(r.forced), "event stream"), a.timeouts.drain)
-		if where := stuck.blocked(labelRoute, ""); where != "" {
-			reason += ", " + where
-		}
-		a.diag.record(ctx, "sseClose", reason, stuck)
-	} else {
-		entry.Info("event streams closed")
-	}
-	return err
 }
 
 // awaitInFlight waits for the requests in flight until the drain budget ends,

@@ -5,11 +5,43 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"time"
+
+	"github.com/sirupsen/logrus"
 )
 
 // Drain step 4 for the event streams: a goodbye each, spread over a window so
 // the clients' reconnects do not land on the other instances at once. See
 // sse_feed.go for the whole stream.
+
+// goodbyes is the hub's part of drain step sseClose, registered with
+// Lifecycle.OnCloseStreams in phase 15: every stream gets `event: shutdown`
+// and a retry hint (closeStreams), spread over a window that grows with the
+// streams (KUMIKO_SSE_RECONNECT_SPREAD), so their clients do not all
+// reconnect to the other instances in the same instant. A client that
+// stopped reading cannot take its goodbye, so what is left when drain ends
+// is force-closed (its write deadline pulled to now), and the release hooks
+// keep their share of the budget; a force-close leaves diagnostics.
+func (h *sseHub) goodbyes(t timeouts, diag *diagnostics, log *logrus.Logger) func(drain, ctx context.Context) error {
+	return func(drain, ctx context.Context) error {
+		stopWatch := watchGoroutines(ctx) // the streams a force-close ends are gone when it returns
+		r, err := h.closeStreams(drain, ctx, t.sseSpread, t.sseSpreadStep)
+		stuck := stopWatch()
+		// streams_open is kumiko_sse_streams now: 0 unless a handler outlived its force-close.
+		entry := componentSSEHub.log(log).WithFields(logrus.Fields{"streams": r.asked, "forced": r.forced,
+			"streams_open": h.openStreams(), "spread_ms": r.window.Milliseconds()})
+		if r.forced == 0 {
+			entry.Info("event streams closed")
+			return err
+		}
+		entry.WithField("drain_timeout_ms", t.drain.Milliseconds()).Warn("drain timeout: force-closed event streams that did not end")
+		reason := fmt.Sprintf("sseClose: %s force-closed at KUMIKO_DRAIN_TIMEOUT=%s", count(int64(r.forced), "event stream"), t.drain)
+		if where := stuck.blocked(labelRoute, ""); where != "" {
+			reason += ", " + where
+		}
+		diag.record(ctx, "sseClose", reason, stuck)
+		return err
+	}
+}
 
 // closeStreams is drain step 4: every stream is asked to end with `event:
 // shutdown` and a retry hint, and no new one opens. http.Server.Shutdown never

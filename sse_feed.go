@@ -14,6 +14,9 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
+// componentSSEHub is the event stream hub.
+var componentSSEHub = component{name: "sseHub"}
+
 // sseConfig is the event stream's settings.
 type sseConfig struct {
 	MaxStreams      uint

@@ -19,7 +19,7 @@ func noPanic(t *testing.T) func(component, any) {
 }
 
 // w is the component the tests' startStops carry: any one does.
-const w = componentOutboxPoller
+var w = componentOutboxPoller
 
 // stopWithin runs Stop in a goroutine, so a Stop that does not return fails
 // the test instead of hanging it.

@@ -10,6 +10,9 @@ import (
 	"github.com/minio/minio-go/v7/pkg/credentials"
 )
 
+// componentStorage is the S3 client.
+var componentStorage = component{name: "storage"}
+
 // storageConfig is the storage block's settings.
 type storageConfig struct {
 	Endpoint  string
