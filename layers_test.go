@@ -73,20 +73,14 @@ func mayName(from, to string) bool {
 	return slices.Contains(layerBlocks[from], to)
 }
 
-// layerCrossings reads the package's non-test files and lists, as
-// "from.go → to.go: name", every package-level name a file uses that is
-// declared in a file of a layer it may not name. Identifiers are resolved
-// by the parser within their file (a local that shadows a package-level name
-// is not a use of it); selectors and composite-literal keys are fields or
-// methods, not package-level names, and are not counted.
-func layerCrossings(t *testing.T, dir string) []string {
+// parseSources parses the package's non-test files in dir, by file name.
+func parseSources(t *testing.T, dir string) map[string]*ast.File {
 	t.Helper()
 	files, err := filepath.Glob(filepath.Join(dir, "*.go"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	fset := token.NewFileSet()
-	declaredIn := map[string]string{}
 	parsed := map[string]*ast.File{}
 	for _, path := range files {
 		if strings.HasSuffix(path, "_test.go") {
@@ -96,8 +90,22 @@ func layerCrossings(t *testing.T, dir string) []string {
 		if err != nil {
 			t.Fatal(err)
 		}
-		file := filepath.Base(path)
-		parsed[file] = f
+		parsed[filepath.Base(path)] = f
+	}
+	return parsed
+}
+
+// layerCrossings reads the package's non-test files and lists, as
+// "from.go → to.go: name", every package-level name a file uses that is
+// declared in a file of a layer it may not name. Identifiers are resolved
+// by the parser within their file (a local that shadows a package-level name
+// is not a use of it); selectors and composite-literal keys are fields or
+// methods, not package-level names, and are not counted.
+func layerCrossings(t *testing.T, dir string) []string {
+	t.Helper()
+	parsed := parseSources(t, dir)
+	declaredIn := map[string]string{}
+	for file, f := range parsed {
 		for _, d := range f.Decls {
 			switch d := d.(type) {
 			case *ast.FuncDecl:
