@@ -252,10 +252,18 @@ func (j *jobs) stopClient(ctx context.Context) error {
 		defer cancel()
 	}
 	err := j.client.Stop(soft)
-	if err == nil || soft.Err() == nil || ctx.Err() != nil {
+	if err == nil || soft.Err() == nil {
 		return err
 	}
-	if err := j.client.StopAndCancel(ctx); err != nil {
+	// The soft stop is over: cancel the running jobs. If the hook's whole
+	// slice is gone too (a second signal), they still get abandonGrace.
+	hard := ctx
+	if ctx.Err() != nil {
+		var cancel context.CancelFunc
+		hard, cancel = context.WithTimeout(context.WithoutCancel(ctx), abandonGrace)
+		defer cancel()
+	}
+	if err := j.client.StopAndCancel(hard); err != nil {
 		return fmt.Errorf("cancelling the running jobs: %w", err)
 	}
 	j.log.Warn(jobsCancelledAtStop)
