@@ -232,7 +232,7 @@ func (a *app) redisConnect(ctx context.Context, p *phaseRun) error {
 func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 	log := componentJobsWorker.log(a.log)
 	riverPool := func(conns int32) (*pgxpool.Pool, error) { return a.newPool(ctx, "river", conns) }
-	j, err := newJobs(jobsDeps{cfg: a.cfg.Jobs, newPool: riverPool, hardStop: a.timeouts.hookReserve, rescue: a.timeouts.jobsRescue, instanceID: a.cfg.InstanceID,
+	j, err := newJobs(jobsDeps{cfg: a.cfg.Jobs, newPool: riverPool, rescue: a.timeouts.jobsRescue, instanceID: a.cfg.InstanceID,
 		features: a.features, tracer: a.tracing.tracer, metrics: a.blocks.jobs, log: log,
 		work: workDeps{log: log, call: a.timeouts.jobCall,
 			db: a.db, search: a.search, storage: a.storage, bucket: a.cfg.Storage.Bucket, masterKey: a.masterKey}})
@@ -344,10 +344,7 @@ func (a *app) ready(ctx context.Context, p *phaseRun) error {
 	if err := a.health.WaitFirstResults(ctx); err != nil {
 		return err
 	}
-	if failing := a.health.failingGates(a.health.results()); len(failing) > 0 {
-		return fmt.Errorf("readiness checks failing: %s", strings.Join(failing, "; "))
-	}
-	return nil
+	return a.health.WaitGatesPass(ctx, a.cfg.Lifecycle.Readiness.CheckInterval)
 }
 
 // becomeReady ends the boot: state → ready, and the one line an operator

@@ -207,3 +207,35 @@ func (rd *readiness) refresh(ctx context.Context) {
 	}
 	wg.Wait()
 }
+
+// Phase 16 waits for the gating checks to pass: one that fails at first (a
+// worker not yet scheduled on a busy machine) is waited out, and one that
+// never passes is named when the phase's time is up.
+func TestReadinessWaitGatesPass(t *testing.T) {
+	rd := testReadiness(t, readyLifecycle(t), newMetrics(), 10*time.Millisecond, 10*time.Millisecond)
+	var runs atomic.Int64
+	rd.RegisterReadinessCheck("outboxPoller", true, func(context.Context) checkResult {
+		if runs.Add(1) <= 3 {
+			return failedResult(errors.New("heartbeat is stale"), nil)
+		}
+		return okResult(nil)
+	})
+	rd.RegisterReadinessCheck("worker", true, func(context.Context) checkResult {
+		return failedResult(errors.New("never beat"), nil)
+	})
+	if err := rd.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := rd.WaitFirstResults(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	err := rd.WaitGatesPass(ctx, 10*time.Millisecond)
+	if err == nil || !strings.Contains(err.Error(), "worker: never beat") || strings.Contains(err.Error(), "outboxPoller") {
+		t.Fatalf("WaitGatesPass = %v; want only the check that never passes named", err)
+	}
+	if runs.Load() <= 3 {
+		t.Errorf("the check that failed at first ran %d times; it was not waited out", runs.Load())
+	}
+}
