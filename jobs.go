@@ -56,7 +56,6 @@ type jobs struct {
 	client      *river.Client[pgx.Tx]
 	pool        *pgxpool.Pool             // River's own (newJobs); Stop closes it
 	stopping    atomic.Bool               // Stop has begun: a job cancelled now was interrupted, not failed
-	hardStop    time.Duration             // what Stop keeps of its deadline for cancelled jobs to return
 	subscribers map[string][]subscription // event type → the jobs it triggers
 	manual      map[string]manualJob      // kind → a job an operator may run
 	tracer      trace.Tracer
@@ -67,7 +66,6 @@ type jobs struct {
 type jobsDeps struct {
 	cfg        jobsConfig
 	newPool    func(maxConns int32) (*pgxpool.Pool, error) // River's own pool, lazy
-	hardStop   time.Duration                               // what a stop keeps of its deadline for cancelled jobs to return
 	rescue     time.Duration                               // River runs a job again once it has been running this long: it was stranded
 	instanceID string
 	features   []feature
@@ -81,7 +79,7 @@ type jobsDeps struct {
 // (phase 13) inserts jobs before the worker starts (phase 14).
 func newJobs(d jobsDeps) (*jobs, error) {
 	workers := river.NewWorkers()
-	j := &jobs{hardStop: d.hardStop, tracer: d.tracer, log: d.log, subscribers: map[string][]subscription{}, manual: map[string]manualJob{}}
+	j := &jobs{tracer: d.tracer, log: d.log, subscribers: map[string][]subscription{}, manual: map[string]manualJob{}}
 	for _, f := range d.features {
 		for _, w := range f.workers {
 			w.register(workers, d.work.usedBy(f))
@@ -221,9 +219,11 @@ func insertIntoKindQueue(ctx context.Context, params []*rivertype.JobInsertParam
 // River gets a detached one and lives until Stop.
 func (j *jobs) Start(ctx context.Context) error { return j.client.Start(context.WithoutCancel(ctx)) }
 
-// Stop stops River softly: running jobs may finish until ctx's deadline
-// leaves only hardStop (or half of what is left, if that is less); then
-// River cancels them. A job cut off this way is interrupted, not failed:
+// Stop stops River softly: running jobs may finish for half of what is left
+// of ctx's deadline; then River cancels them, and the other half is the hard
+// stop's (the cancelled jobs return, River writes each one's state and stops
+// its services: round trips to the database, which a slow one, 600 ms each,
+// made take more than a second). A job cut off this way is interrupted, not failed:
 // River puts it back as available without spending an attempt (River 0.44's
 // interrupted state), it runs again at once here or on another instance, and
 // it is counted kumiko_jobs_total{result="interrupted"} — like a
@@ -248,7 +248,7 @@ func (j *jobs) stopClient(ctx context.Context) error {
 	soft := ctx
 	if deadline, ok := ctx.Deadline(); ok {
 		var cancel context.CancelFunc
-		soft, cancel = context.WithDeadline(ctx, deadline.Add(-min(j.hardStop, time.Until(deadline)/2)))
+		soft, cancel = context.WithDeadline(ctx, deadline.Add(-time.Until(deadline)/2))
 		defer cancel()
 	}
 	err := j.client.Stop(soft)
