@@ -43,11 +43,15 @@ func (a *app) dbConnect(ctx context.Context, p *phaseRun) error {
 	}
 	a.db = created
 	// Close waits for acquired connections to be released, so in-flight
-	// queries finish first; a hung server holds the drain no longer than poolClose.
-	a.lc.RegisterShutdownHook(componentDB, within(a.timeouts.poolClose, func(ctx context.Context) error {
+	// queries finish first; a hung server holds the drain no longer than
+	// poolClose. Past it, what is left is the closing itself (a connection
+	// whose query was cancelled waits for the server to answer its cancel
+	// request: over 2 s on a busy machine), and the exit closes the sockets,
+	// whose sessions the server then ends: best effort, nothing is lost.
+	a.lc.RegisterShutdownHook(componentDB, bestEffort(within(a.timeouts.poolClose, func(ctx context.Context) error {
 		probe.close()
 		return runBounded(ctx, func() error { created.Close(); return nil })
-	}))
+	})))
 	a.health.RegisterReadinessCheck(componentDB.String(), true, probe.check)
 	return nil
 }
