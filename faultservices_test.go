@@ -218,11 +218,25 @@ func blackHole(t testing.TB, p *toxiproxy.Proxy) (restore func()) {
 	}
 	return func() {
 		for _, stream := range []string{"upstream", "downstream"} {
-			if err := p.RemoveToxic("blackhole-" + stream); err != nil {
+			if err := removeToxic(p, "blackhole-"+stream); err != nil {
 				t.Errorf("removing the black hole of %s: %v", p.Name, err)
 			}
 		}
 	}
+}
+
+// removeToxic removes a toxic, trying again when Toxiproxy's API does not
+// answer (an EOF on a reused connection was seen on a busy machine, and the
+// black hole stayed): a DELETE is idempotent, and a toxic a try already
+// removed is reported "not found" to the next.
+func removeToxic(p *toxiproxy.Proxy, name string) error {
+	var err error
+	for try := range 3 {
+		if err = p.RemoveToxic(name); err == nil || (try > 0 && strings.Contains(err.Error(), "not found")) {
+			return nil
+		}
+	}
+	return err
 }
 
 // withHost returns rawURL with its host:port replaced by addr.
