@@ -240,8 +240,8 @@ func (a *app) outboxPoller(ctx context.Context, p *phaseRun) error {
 		return err
 	}
 	a.jobs = j
-	// The soft stop, then a second for the cancelled jobs to return.
-	a.lc.RegisterShutdownHook(componentJobsWorker, within(a.timeouts.jobsSoftStop+a.timeouts.hookReserve, j.Stop))
+	// A soft stop, then a hard one: half of the step's slice each (jobs.Stop).
+	a.lc.RegisterShutdownHook(componentJobsWorker, within(a.timeouts.jobsStop+a.timeouts.hookReserve, j.Stop))
 
 	beat := a.heartbeats.RegisterHeartbeat(componentOutboxPoller)
 	poller := newOutboxPoller(outboxPollerDeps{db: a.db, redis: a.redis, cfg: a.cfg.Outbox, beat: beat,

@@ -244,8 +244,8 @@ func TestTimeoutsAreDerivedFromTheConfig(t *testing.T) {
 	if got.dbStatement != 7*time.Second || got.dbLock != 3*time.Second {
 		t.Errorf("dbStatement, dbLock = %s, %s; want the configured 7s and 3s", got.dbStatement, got.dbLock)
 	}
-	if got.jobsSoftStop != 3500*time.Millisecond {
-		t.Errorf("jobsSoftStop = %s, want (40s − 3s − 30s) / 2 = 3.5s", got.jobsSoftStop)
+	if got.jobsStop != 3500*time.Millisecond {
+		t.Errorf("jobsStop = %s, want (40s − 3s − 30s) / 2 = 3.5s", got.jobsStop)
 	}
 	if got.connectAttempt != 2*time.Second {
 		t.Errorf("connectAttempt = %s, want the 2s connect window", got.connectAttempt)

@@ -39,11 +39,11 @@ type timeouts struct {
 	// Kept back for each release hook still waiting, so one hung hook cannot
 	// eat the time the DB pool needs to close.
 	hookReserve time.Duration
-	// The jobs worker's soft stop: running jobs may finish for this long at
-	// most (less when the hook's slice of the budget leaves less), then they
-	// are cancelled and run again, here or elsewhere. Half of what the
-	// release hooks are sure to have, so the hooks after it keep theirs.
-	jobsSoftStop time.Duration
+	// jobsStop bounds the jobs worker's stop, with hookReserve on top: half
+	// of what the release hooks are sure to have, so the hooks after it keep
+	// theirs. Its first half at most is the soft stop (running jobs may
+	// finish), the rest the hard stop (jobs.Stop).
+	jobsStop time.Duration
 
 	// Each release bounded on its own, so a hung Redis or PostgreSQL costs
 	// the drain seconds, not its whole budget.
@@ -267,7 +267,7 @@ func newTimeouts(c config) timeouts {
 		sseSpread:      min(c.SSE.ReconnectSpread, l.DrainTimeout),
 		sseSpreadStep:  c.SSE.ReconnectSpreadPerStream,
 		hookReserve:    time.Second,
-		jobsSoftStop:   max(releases/2, abandonGrace),
+		jobsStop:       max(releases/2, abandonGrace),
 		redisRelease:   time.Second,
 		batchFinish:    2 * time.Second,
 		poolClose:      2 * time.Second,
