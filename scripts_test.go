@@ -161,6 +161,28 @@ func (d *demoRun) waitLine(t *testing.T, timeout time.Duration, s string) {
 // ctrlC does what Ctrl+C in a terminal does: SIGINT to the foreground process group.
 func (d *demoRun) ctrlC() { syscall.Kill(-d.cmd.Process.Pid, syscall.SIGINT) }
 
+// processes is what the demo runs now: its process group, and its shell's
+// ignored and caught signals (a Ctrl+C that changed nothing is explained
+// there, or by what the shell was waiting in).
+func (d *demoRun) processes() string {
+	pid := strconv.Itoa(d.cmd.Process.Pid)
+	ps, _ := exec.Command("ps", "-e", "-o", "pid,ppid,pgid,stat,wchan:24,etime,args").CombinedOutput()
+	var group []string
+	for i, l := range strings.Split(string(ps), "\n") {
+		if f := strings.Fields(l); i == 0 || len(f) > 2 && f[2] == pid {
+			group = append(group, l)
+		}
+	}
+	status, _ := os.ReadFile("/proc/" + pid + "/status")
+	var sig []string
+	for _, l := range strings.Split(string(status), "\n") {
+		if strings.HasPrefix(l, "SigIgn") || strings.HasPrefix(l, "SigCgt") || strings.HasPrefix(l, "SigPnd") || strings.HasPrefix(l, "ShdPnd") {
+			sig = append(sig, l)
+		}
+	}
+	return strings.Join(append(group, sig...), "\n")
+}
+
 // exitCode waits for the demo to exit and returns its exit code.
 func (d *demoRun) exitCode(t *testing.T, timeout time.Duration, after string) int {
 	t.Helper()
@@ -168,7 +190,8 @@ func (d *demoRun) exitCode(t *testing.T, timeout time.Duration, after string) in
 	case <-d.exited:
 		return d.cmd.ProcessState.ExitCode()
 	case <-time.After(timeout):
-		t.Fatalf("the demo still runs %s after %s", timeout, after)
+		t.Fatalf("the demo still runs %s after %s; its processes, and the signals its shell ignores and catches:\n%s",
+			timeout, after, d.processes())
 		return -1
 	}
 }
