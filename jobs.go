@@ -56,7 +56,6 @@ type jobs struct {
 	client      *river.Client[pgx.Tx]
 	pool        *pgxpool.Pool             // River's own (newJobs); Stop closes it
 	stopping    atomic.Bool               // Stop has begun: a job cancelled now was interrupted, not failed
-	running     atomic.Int64              // jobs whose work runs now (traceAndCountJobs)
 	subscribers map[string][]subscription // event type → the jobs it triggers
 	manual      map[string]manualJob      // kind → a job an operator may run
 	tracer      trace.Tracer
@@ -110,7 +109,7 @@ func newJobs(d jobsDeps) (*jobs, error) {
 		JobTimeout:           d.cfg.Timeout,
 		RescueStuckJobsAfter: d.rescue,
 		Logger:               riverLogger(d.log),
-		Middleware: []rivertype.Middleware{traceAndCountJobs(d.tracer, d.metrics, j.stopping.Load, &j.running, d.log),
+		Middleware: []rivertype.Middleware{traceAndCountJobs(d.tracer, d.metrics, j.stopping.Load, d.log),
 			river.JobInsertMiddlewareFunc(insertIntoKindQueue)},
 	})
 	if err != nil {
@@ -119,20 +118,6 @@ func newJobs(d jobsDeps) (*jobs, error) {
 	}
 	j.client, j.pool = client, pool
 	return j, nil
-}
-
-// hardStopFailed is the error of a hard stop that did not end in its slice.
-// With a job still working, that job was cut off mid-work: the drain failed.
-// With none, what had not stopped is River's own (its leader resigning in
-// PostgreSQL, its completer writing outcomes), which a slow database
-// stretches past a second a round: best effort, since River's leadership
-// expires by itself and a job whose outcome was not written is run again by
-// the rescuer (jobsRescue); nothing is lost.
-func hardStopFailed(err error, running int64) error {
-	if running > 0 {
-		return fmt.Errorf("cancelling the running jobs: %d still running: %w", running, err)
-	}
-	return &bestEffortError{err: fmt.Errorf("River's own services had not stopped (no job was running): %w", err)}
 }
 
 // riverLogger routes River's own warnings and errors (it logs with slog)
@@ -279,7 +264,7 @@ func (j *jobs) stopClient(ctx context.Context) error {
 		defer cancel()
 	}
 	if err := j.client.StopAndCancel(hard); err != nil {
-		return hardStopFailed(err, j.running.Load())
+		return fmt.Errorf("cancelling the running jobs: %w", err)
 	}
 	j.log.Warn(jobsCancelledAtStop)
 	return nil

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -32,13 +31,12 @@ type jobTrace struct {
 }
 
 // traceAndCountJobs is River worker middleware: every job runs in a span that
-// continues the trace in its metadata, and is counted and timed; running
-// counts the jobs at work now.
+// continues the trace in its metadata, and is counted and timed.
 //
 // A job whose context was cancelled while the client stops (stopping) was
 // interrupted by the drain: River puts it back without spending an attempt,
 // and it is counted and logged as interrupted, not failed.
-func traceAndCountJobs(tracer trace.Tracer, m *jobsMetrics, stopping func() bool, running *atomic.Int64, log *logrus.Entry) rivertype.Middleware {
+func traceAndCountJobs(tracer trace.Tracer, m *jobsMetrics, stopping func() bool, log *logrus.Entry) rivertype.Middleware {
 	return river.WorkerMiddlewareFunc(func(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error) error {
 		var meta jobTrace
 		_ = json.Unmarshal(job.Metadata, &meta) // no metadata: a new trace
@@ -50,8 +48,6 @@ func traceAndCountJobs(tracer trace.Tracer, m *jobsMetrics, stopping func() bool
 			trace.WithLinks(links...), trace.WithAttributes(attribute.Int64("job.id", job.ID), attribute.Int("job.attempt", job.Attempt)))
 		defer span.End()
 		start := time.Now()
-		running.Add(1)
-		defer running.Add(-1)
 		err := doInner(ctx)
 		result := "ok"
 		switch {
