@@ -154,7 +154,13 @@ func TestProcessFleetFaultsThroughHAProxy(t *testing.T) {
 			t.Errorf("%s: readiness answered other than 200 %d times of %d; the first:\n%s", f.name, notReady, len(probes), strings.Join(firstSeen, "\n"))
 		}
 		if n := becameLeader() - leadersBefore; n > f.maxLeaders {
-			t.Errorf("%s: leadership was taken %d times, want at most %d", f.name, n, f.maxLeaders)
+			var lines []string
+			for _, p := range apps {
+				for _, l := range p.logsMatching(map[string]any{"component": "leaderElection"}) {
+					lines = append(lines, fmt.Sprint(l["time"], " ", l["instance"], " ", l["msg"], " ", l["reason"], l["error"]))
+				}
+			}
+			t.Errorf("%s: leadership was taken %d times, want at most %d; the elections' lines:\n%s", f.name, n, f.maxLeaders, strings.Join(lines, "\n"))
 		}
 		// Between faults: both instances back in HAProxy's pool, and a
 		// leadership lost in this fault taken again before the next one —
