@@ -157,7 +157,13 @@ func TestProcessFleetFaultsThroughHAProxy(t *testing.T) {
 			var lines []string
 			for _, p := range apps {
 				for _, l := range p.logsMatching(map[string]any{"component": "leaderElection"}) {
-					lines = append(lines, fmt.Sprint(l["time"], " ", l["instance"], " ", l["msg"], " ", l["reason"], l["error"]))
+					line := fmt.Sprint(l["time"], " ", l["instance"], " ", l["msg"])
+					for _, k := range []string{"reason", "error"} {
+						if v, ok := l[k]; ok {
+							line += fmt.Sprintf(" %s=%v", k, v)
+						}
+					}
+					lines = append(lines, line)
 				}
 			}
 			t.Errorf("%s: leadership was taken %d times, want at most %d; the elections' lines:\n%s", f.name, n, f.maxLeaders, strings.Join(lines, "\n"))
