@@ -176,27 +176,6 @@ func (rd *readiness) run(ctx context.Context, c *check) {
 // of what gates, and its body shows every check. An optional check is waited
 // for one probe timeout at most (its run's own deadline), so an optional
 // dependency that hangs holds no boot.
-// WaitGatesPass waits until no gating check fails, reading the latest
-// results every interval, or until ctx (the phase's) ends, then names the
-// checks still failing. A gate that fails once at the start is not a failed
-// boot: on a machine with both cores busy, a worker's loop was once not
-// scheduled within its 1 s heartbeat TTL, and the boot ended for it.
-func (rd *readiness) WaitGatesPass(ctx context.Context, interval time.Duration) error {
-	tick := time.NewTicker(interval)
-	defer tick.Stop()
-	for {
-		failing := rd.failingGates(rd.results())
-		if len(failing) == 0 {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("readiness checks failing: %s: %w", strings.Join(failing, "; "), context.Cause(ctx))
-		case <-tick.C:
-		}
-	}
-}
-
 func (rd *readiness) WaitFirstResults(ctx context.Context) error {
 	rd.mu.Lock()
 	checks := slices.Clone(rd.checks)
@@ -221,6 +200,27 @@ func (rd *readiness) WaitFirstResults(ctx context.Context) error {
 		}
 	}
 	return ctx.Err()
+}
+
+// WaitGatesPass waits until no gating check fails, reading the latest
+// results every interval, or until ctx (the phase's) ends, then names the
+// checks still failing. A gate that fails once at the start is not a failed
+// boot: on a machine with both cores busy, a worker's loop was once not
+// scheduled within its 1 s heartbeat TTL, and the boot ended for it.
+func (rd *readiness) WaitGatesPass(ctx context.Context, interval time.Duration) error {
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		failing := rd.failingGates(rd.results())
+		if len(failing) == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("readiness checks failing: %s: %w", strings.Join(failing, "; "), context.Cause(ctx))
+		case <-tick.C:
+		}
+	}
 }
 
 // results are the latest results with their age; a stale one is a failure

@@ -382,7 +382,7 @@ func TestProcessLeaderHoldsUnderSlowRedis(t *testing.T) {
 	}
 	from := time.Now()
 	time.Sleep(3*renew + time.Second) // the fault: a length of real time, not a wait
-	if err := proxy.RemoveToxic("slow"); err != nil {
+	if err := removeToxic(proxy, "slow"); err != nil {
 		t.Fatal(err)
 	}
 	until := time.Now()
@@ -599,7 +599,7 @@ func TestProcessJobStrandedByAPostgresHangIsRescued(t *testing.T) {
 	if err := pgProxy.Enable(); err != nil {
 		t.Fatal(err)
 	}
-	if err := pgProxy.RemoveToxic("held"); err != nil {
+	if err := removeToxic(pgProxy, "held"); err != nil {
 		t.Fatal(err)
 	}
 

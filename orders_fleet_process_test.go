@@ -311,7 +311,7 @@ func latency(t testing.TB, p *toxiproxy.Proxy, ms int) (restore func()) {
 		t.Fatalf("adding latency to %s: %v", p.Name, err)
 	}
 	return func() {
-		if err := p.RemoveToxic("latency"); err != nil {
+		if err := removeToxic(p, "latency"); err != nil {
 			t.Errorf("removing the latency of %s: %v", p.Name, err)
 		}
 	}

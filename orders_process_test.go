@@ -449,7 +449,7 @@ func TestToxicLatencyResetAndBandwidth(t *testing.T) {
 			t.Fatalf("adding %s to %s: %v", kind, proxy.Name, err)
 		}
 		return func() {
-			if err := proxy.RemoveToxic(name); err != nil {
+			if err := removeToxic(proxy, name); err != nil {
 				t.Errorf("removing %s: %v", name, err)
 			}
 		}

@@ -90,7 +90,7 @@ func TestOrdersSlowDatabaseStoredIffTold(t *testing.T) {
 			t.Fatalf("adding %d ms of latency: %v", latency, err)
 		}
 		orders := post(level, 24, -1, nil)
-		if err := pgProxy.RemoveToxic("slow"); err != nil {
+		if err := removeToxic(pgProxy, "slow"); err != nil {
 			t.Fatalf("removing the latency: %v", err)
 		}
 		byStatus, slowest := tally(orders)
@@ -208,7 +208,7 @@ func TestDrainWithASlowDatabaseExitsZero(t *testing.T) {
 	if code != 0 {
 		t.Errorf("exit code %d with a slow but working database, want 0:\n%s", code, p.stderr.String())
 	}
-	if err := pgProxy.RemoveToxic("slow"); err != nil {
+	if err := removeToxic(pgProxy, "slow"); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
